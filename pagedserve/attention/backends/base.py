@@ -1,0 +1,66 @@
+"""The attention-backend interface: one metadata type, one small backend protocol.
+
+KV cache of one layer: ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 = keys, 1 = values). Token ``t`` of a step is written to cache slot
+``slot_mapping[t] = block_id * block_size + offset``; ``PAD_SLOT_ID`` (-1) writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer of a KV-cache group.
+
+    Rows are in batch order. Tokens of request ``i`` are rows
+    ``query_start_loc[i] : query_start_loc[i + 1]``; their positions run from
+    ``seq_lens[i] - query_len_i`` to ``seq_lens[i] - 1`` (the cached prefix comes first).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    """Real (unpadded) query tokens; rows beyond it are padding."""
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], device
+    seq_lens: torch.Tensor  # int32 [num_reqs], device: computed + scheduled tokens
+    block_table: torch.Tensor  # int32 [num_reqs, max_num_blocks_per_req], device
+    slot_mapping: torch.Tensor  # int64 [num_tokens_padded], device; PAD_SLOT_ID on padding
+    query_start_loc_cpu: torch.Tensor | None = None  # int32 [num_reqs + 1], host
+    seq_lens_cpu: torch.Tensor | None = None  # int32 [num_reqs], host
+    causal: bool = True
+
+
+class AttentionBackend(Protocol):
+    """What an attention implementation provides. ``torch_ref`` is the oracle for the others."""
+
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]
+    ) -> None:
+        """Scatter the step's keys and values into the cache; rows with slot -1 write nothing."""
+        ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    ) -> None:
+        """Causal attention of each query row over its request's cached keys (the step's own
+        keys are already written). Writes ``output[:num_actual_tokens]`` only."""
+        ...

@@ -1,0 +1,172 @@
+"""Engine configuration: frozen dataclasses, the one source of defaults for the API and the CLI.
+
+Each dataclass validates itself in ``__post_init__`` and raises ``ValueError`` with a message
+that names the field. The CLI builds its options from these fields (see ``entrypoints/cli.py``),
+so a default lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL
+    """A Hugging Face folder, a ``.gguf`` file, or the default model's short name."""
+    tokenizer: str | None = None
+    """Folder or GGUF file with the tokenizer; defaults to ``model``."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16. auto: bf16 on GPU and on CPUs with native bf16
+    matmuls (AMX / AVX512-BF16), else float32."""
+    seed: int = 0
+    max_model_len: int | None = None
+    """Context length; defaults to the model's ``max_position_embeddings``."""
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"),
+            f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)",
+        )
+        _check(
+            self.load_format in ("auto", "safetensors", "gguf", "dummy"),
+            f"load_format: {self.load_format!r} is not one of auto, safetensors, gguf, dummy",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len > 0,
+            f"max_model_len: must be positive, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of the GPU's memory the engine may use (weights + activations + KV cache)."""
+    kv_cache_memory: int = 256 * 1024 * 1024
+    """Byte budget of the KV cache on the CPU."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks; overrides both budgets."""
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size: must be a power of two up to 128, got {self.block_size}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(self.kv_cache_memory > 0, "kv_cache_memory: must be positive")
+        _check(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            f"num_gpu_blocks_override: needs at least 2 blocks (one is the null block), "
+            f"got {self.num_gpu_blocks_override}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step (and request slots in the runner)."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step."""
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_waiting_requests: int | None = None
+    """Bound on the waiting queue (the server answers 503 beyond it); None: unbounded."""
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(self.policy in ("fcfs", "priority"), f"policy: {self.policy!r} is not fcfs or priority")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}",
+        )
+
+
+def default_capture_sizes(max_capture_size: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 256, then steps of 16 up to ``max_capture_size``."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max_capture_size + 1, 16))
+    return [s for s in sizes if s <= max_capture_size]
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    enforce_eager: bool = False
+    """Never compile or capture graphs."""
+    max_capture_size: int = 512
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    """Explicit capture sizes; default: ``default_capture_sizes(max_capture_size)``."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_capture_size >= 1, "max_capture_size: must be >= 1")
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        if self.cudagraph_capture_sizes is not None:
+            return sorted(self.cudagraph_capture_sizes)
+        return default_capture_sizes(self.max_capture_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    device: str = "auto"
+    """auto | cpu | cuda."""
+
+    @staticmethod
+    def from_kwargs(**kwargs) -> EngineConfig:
+        """Build from flat keyword arguments (vLLM's ``LLM(...)`` / CLI names)."""
+        parts: dict[str, dict] = {name: {} for name in _SECTIONS}
+        top: dict = {}
+        for key, value in kwargs.items():
+            if key == "device":
+                top[key] = value
+                continue
+            section = _FIELD_TO_SECTION.get(key)
+            if section is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            parts[section][key] = value
+        return EngineConfig(**{n: cls(**parts[n]) for n, cls in _SECTIONS.items()}, **top)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "compilation": CompilationConfig,
+}
+_FIELD_TO_SECTION = {f.name: n for n, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}

@@ -1,0 +1,93 @@
+"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_N = 128
+_MAX_LOGPROBS = 20
+_MAX_STOP_STRINGS = 64
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1: no top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    """None: up to the context length."""
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    """Number of top logprobs to return per sampled token (the sampled one is always added)."""
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field that is out of range."""
+        checks = [
+            (1 <= self.n <= _MAX_N, f"n must be in [1, {_MAX_N}], got {self.n}"),
+            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS,
+                f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
+            (len(self.stop) <= _MAX_STOP_STRINGS, f"stop: at most {_MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop: every stop string must be a non-empty string"),
+            (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias: bias for token {tok} must be in [-100, 100], got {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self) -> SamplingParams:
+        import copy
+
+        return copy.deepcopy(self)

