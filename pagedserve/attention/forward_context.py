@@ -25,8 +25,10 @@ class ForwardContext:
     num_tokens: int
     """Padded token count of this forward."""
     cudagraph_mode: str = "NONE"
-    """NONE | PIECEWISE | FULL (set by the runner's dispatcher)."""
-    extra: dict = field(default_factory=dict)
+    """NONE | PIECEWISE | FULL (set by the runner's dispatcher); graph wrappers read it."""
+    attn_layers: dict[str, torch.nn.Module] = field(default_factory=dict)
+    """layer name -> attention layer: the registered attention op finds its layer here, since
+    a custom op takes tensors and strings, not modules."""
 
 
 _current: ForwardContext | None = None
