@@ -41,6 +41,8 @@ class Request:
 
     Invariant: ``num_computed_tokens <= num_tokens``; the tokens in
     ``all_token_ids[num_computed_tokens:]`` are the ones still to be run through the model.
+    Under async scheduling the bound is ``num_tokens + num_output_placeholders``: a step may
+    be scheduled before the token sampled by the step in flight is known.
     """
 
     def __init__(
@@ -69,6 +71,9 @@ class Request:
         self.num_cached_tokens = -1
         """Prompt tokens found in the prefix cache at first scheduling (-1: not yet scheduled)."""
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        """Async scheduling: tokens being sampled by scheduled steps whose output has not been
+        appended yet (always 0 with synchronous scheduling)."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []

@@ -1,0 +1,108 @@
+"""The GPU attention backend: Triton kernels for the KV-cache write and paged attention.
+
+``torch_ref`` is its oracle. Every launch decision is made from host-known metadata
+(``num_reqs``, ``num_actual_tokens``, ``max_query_len``, ``max_seq_len``), never from device
+tensors, so a step never waits for the GPU and the launches can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.backends.base import AttentionMetadata
+from pagedserve.kernels.attention_common import check_attention_args
+from pagedserve.kernels.kv_write import write_kv
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
+
+_MAX_SPLITS = 16
+# Programs per streaming multiprocessor the split-KV path aims for.
+_PROGRAMS_PER_SM = 2
+# Program count assumed where no CUDA device tells its SM count (interpreter runs).
+_DEFAULT_TARGET_PROGRAMS = 16
+
+
+def _default_target_programs() -> int:
+    if torch.cuda.is_available():
+        sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        return _PROGRAMS_PER_SM * sm_count
+    return _DEFAULT_TARGET_PROGRAMS
+
+
+def choose_num_splits(
+    num_reqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    target_programs: int,
+    min_keys_per_split: int,
+) -> int:
+    """Segments per request for a decode batch: enough programs to fill the GPU, each with at
+    least ``min_keys_per_split`` keys of the longest context; a power of two, at most 16."""
+    by_occupancy = target_programs // max(1, num_reqs * num_kv_heads)
+    by_length = max_seq_len // max(1, min_keys_per_split)
+    wanted = min(_MAX_SPLITS, by_occupancy, by_length)
+    if wanted < 2:
+        return 1
+    return 1 << (wanted.bit_length() - 1)
+
+
+class TritonBackend:
+    """AttentionBackend on Triton kernels.
+
+    Batches whose queries are all single rows (``max_query_len == 1``) take the split-KV decode
+    path when splitting gives more than one segment; everything else runs the varlen kernel.
+    Under a FULL CUDA graph the split count is fixed at capture (from the capture's
+    ``max_seq_len``); the results stay exact for any replayed seq_lens.
+    """
+
+    name = "triton"
+
+    def __init__(self, target_programs: int | None = None, min_keys_per_split: int = 128) -> None:
+        if min_keys_per_split < 1:
+            raise ValueError(f"min_keys_per_split: must be >= 1, got {min_keys_per_split}")
+        self.target_programs = target_programs or _default_target_programs()
+        self.min_keys_per_split = min_keys_per_split
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]
+    ) -> None:
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    ) -> None:
+        """Causal attention of each query row over its request's cache; writes
+        ``output[:num_actual_tokens]`` only."""
+        check_attention_args(query, kv_cache, output, metadata.block_table)
+        if not metadata.causal:
+            raise ValueError("metadata.causal: the triton backend only runs causal attention")
+        if metadata.num_actual_tokens == 0:
+            return
+        num_splits = 1
+        if metadata.max_query_len == 1:
+            num_splits = choose_num_splits(
+                metadata.num_reqs,
+                kv_cache.shape[3],
+                metadata.max_seq_len,
+                self.target_programs,
+                self.min_keys_per_split,
+            )
+        if num_splits > 1:
+            paged_attention_split_kv(
+                query, kv_cache, metadata.block_table, metadata.query_start_loc,
+                metadata.seq_lens, metadata.num_reqs, scale, output, num_splits,
+            )  # fmt: skip
+            return
+        paged_attention(
+            query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
+            metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len, scale, output,
+        )  # fmt: skip

@@ -1,0 +1,118 @@
+"""The attention layer of a model: projections in, paged attention over the KV cache out.
+
+The layer does not hold per-step data. At call time it finds its ``AttentionMetadata`` and
+slot mapping in the forward context by ``layer_name`` (``model.layers.{i}.self_attn.attn``),
+writes the step's keys and values into its ``kv_cache`` and attends over it. The runner binds
+the cache tensors and the backend once with ``bind_kv_caches``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.attention.backends.base import AttentionBackend
+from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from pagedserve.attention.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, layer_name: str
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{layer_name}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_name = layer_name
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by bind_kv_caches.
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend = TorchRefBackend()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, Hq * D], key and value [T, Hkv * D] -> [T, Hq * D].
+
+        Rows past the metadata's ``num_actual_tokens`` (padding) are left unwritten.
+        """
+        output = torch.empty_like(query)  # [T, Hq * D]
+        torch.ops.pagedserve.unified_attention(query, key, value, output, self.layer_name)
+        return output
+
+
+@torch.library.custom_op("pagedserve::unified_attention", mutates_args=("output",))
+def unified_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    """The attention call as one opaque op: torch.compile splits the model graph here, and the
+    op finds its layer (cache, backend) in the forward context by name."""
+    layer = get_forward_context().attn_layers.get(layer_name)
+    if layer is None:
+        raise RuntimeError(f"{layer_name}: not in the forward context's attn_layers")
+    paged_attention(layer, query, key, value, output)
+
+
+@unified_attention.register_fake
+def _unified_attention_fake(query, key, value, output, layer_name) -> None:  # noqa: ANN001
+    return None
+
+
+def paged_attention(
+    layer: Attention,
+    query: torch.Tensor,  # [T, Hq * D]
+    key: torch.Tensor,  # [T, Hkv * D]
+    value: torch.Tensor,  # [T, Hkv * D]
+    output: torch.Tensor,  # [T, Hq * D]
+) -> None:
+    """The whole attention call, kept in one function: the future custom op / graph split."""
+    if layer.kv_cache is None:
+        raise RuntimeError(f"{layer.layer_name}: no KV cache bound (call bind_kv_caches first)")
+    ctx = get_forward_context()
+    metadata = ctx.attn_metadata[layer.layer_name]
+    slot_mapping = ctx.slot_mapping[layer.layer_name]
+    num_tokens = query.shape[0]
+    kv_shape = (num_tokens, layer.num_kv_heads, layer.head_dim)
+    layer.backend.write_kv(key.view(kv_shape), value.view(kv_shape), layer.kv_cache, slot_mapping)
+    layer.backend.forward(
+        query.view(num_tokens, layer.num_heads, layer.head_dim),
+        layer.kv_cache,
+        metadata,
+        layer.scale,
+        output.view(num_tokens, layer.num_heads, layer.head_dim),
+    )
+
+
+def attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """layer_name -> Attention for every attention layer of the model."""
+    return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
+
+
+def bind_kv_caches(
+    model: nn.Module, kv_caches: dict[str, torch.Tensor], backend: AttentionBackend
+) -> None:
+    """Give each attention layer its cache tensor (by layer name) and the backend."""
+    layers = attention_layers(model)
+    missing = sorted(set(layers) - set(kv_caches))
+    unknown = sorted(set(kv_caches) - set(layers))
+    if missing or unknown:
+        raise ValueError(f"kv_caches: missing layers {missing}, unknown layers {unknown}")
+    for name, layer in layers.items():
+        cache = kv_caches[name]
+        if (
+            cache.dim() != 5
+            or cache.shape[0] != 2
+            or cache.shape[3:] != layer.kv_cache_shape(0, 0)[3:]
+        ):
+            raise ValueError(
+                f"kv_caches[{name!r}]: expected shape [2, num_blocks, block_size, "
+                f"{layer.num_kv_heads}, {layer.head_dim}], got {list(cache.shape)}"
+            )
+        layer.kv_cache = cache
+        layer.backend = backend

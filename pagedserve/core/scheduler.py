@@ -1,0 +1,343 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute (vLLM V1).
+
+There is no prefill phase and no decode phase. Every request has ``num_computed_tokens`` that
+catches up with its token count; a step gives each request some tokens out of one budget:
+
+1. running requests first, in order (a decode takes 1 token, a prefill chunk what is left);
+   when blocks run out, the lowest-priority (``priority`` policy) or latest-arrived (``fcfs``)
+   running request is preempted: blocks freed, back to the front of the waiting queue, its
+   generated tokens kept so it resumes where it was after recomputing them;
+2. then waiting requests (new or preempted), after a prefix-cache lookup, unless a preemption
+   happened this step (blocks are short) or ``max_num_seqs`` requests are running.
+
+``schedule()`` advances ``num_computed_tokens`` as soon as it plans a step, so the next step can
+be planned before this one's sampled tokens arrive (async scheduling: the unknown tokens are
+counted in ``Request.num_output_placeholders``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.block_pool import KVCacheBlock
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request_queue import make_request_queue
+from pagedserve.core.sched_output import (
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from pagedserve.core.stats import SchedulerStats
+from pagedserve.core.step_plan import StepPlan
+from pagedserve.core.stop_check import check_stop
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+    ) -> None:
+        _check_limits(scheduler_config, cache_config, max_model_len, num_blocks)
+        self.scheduler_config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, max_model_len, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request, waiting or running."""
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        """Finished since the last ``schedule()``; handed to the runner in the next plan."""
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id: {rid!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {rid!r}: must be new (WAITING), got {request.status.name}")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: request {rid!r} has {request.num_prompt_tokens} prompt "
+                f"tokens, must be between 1 and max_model_len={self.max_model_len}"
+            )
+        if request.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens: request {rid!r} must allow >= 1, got {request.max_tokens}"
+            )
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside (abort, stop string); unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            request.status = status
+            self._free_request(request)
+            outputs.append(self._make_engine_output(request, []))
+        return outputs
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _free_request(self, request: Request) -> None:
+        """Remove a request whose status is already a finished one; free its blocks now."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        output = plan.to_output(self.kv_cache_manager.get_block_ids, finished)
+        self._advance(plan)
+        return output
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        for request in list(self.running):
+            if plan.token_budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = self._num_tokens_to_run(request, plan.token_budget)
+            if num_new_tokens == 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_blocks is None:
+                continue  # it preempted itself (the least important); later ones may still fit
+            plan.add_running(request, num_new_tokens, new_blocks)
+
+    def _num_tokens_to_run(self, request: Request, token_budget: int) -> int:
+        inflight = request.num_output_placeholders
+        if inflight and (
+            request.num_output_tokens + inflight >= request.max_tokens
+            or request.num_tokens + inflight >= self.max_model_len
+        ):
+            return 0  # the steps in flight already take it to its length cap
+        num_left = request.num_tokens + inflight - request.num_computed_tokens
+        # Positions stay below max_model_len.
+        num_left = min(num_left, self.max_model_len - request.num_computed_tokens)
+        return max(0, min(num_left, token_budget))
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: StepPlan
+    ) -> list[KVCacheBlock] | None:
+        """Allocate, preempting running requests until it fits; None if ``request`` itself was
+        preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self._pick_victim()
+            plan.unschedule(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        """Highest (priority, arrival) under ``priority``, latest arrival under ``fcfs``; ties
+        go to the request later in the running list."""
+        by_priority = self.scheduler_config.policy == "priority"
+
+        def key(i: int) -> tuple:
+            r = self.running[i]
+            return ((r.priority,) if by_priority else ()) + (r.arrival_time, i)
+
+        return self.running[max(range(len(self.running)), key=key)]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while self.waiting and plan.token_budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting.peek()
+            kv = self.kv_cache_manager
+            computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_cached_tokens
+            if num_new_tokens > plan.token_budget:
+                if not self.scheduler_config.enable_chunked_prefill:
+                    break  # the whole prompt must fit in one step
+                num_new_tokens = plan.token_budget
+            new_blocks = kv.allocate_slots(
+                request, num_new_tokens, num_cached_tokens, computed_blocks
+            )
+            if new_blocks is None:
+                break  # head-of-line: later requests wait too, keeping the queue's order
+            self.waiting.pop()
+            self._admit(request, num_cached_tokens)
+            plan.add_new(request, num_new_tokens)
+
+    def _admit(self, request: Request, num_cached_tokens: int) -> None:
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+
+    def _advance(self, plan: StepPlan) -> None:
+        for rid, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            request.num_computed_tokens += num_tokens
+            will_sample = (
+                request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+            )
+            if self.scheduler_config.async_scheduling and will_sample:
+                request.num_output_placeholders += 1
+
+    # ---- results -------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, free finished requests' blocks.
+
+        Returns one output per request that got tokens, finished, or has prompt logprobs.
+        Requests finished or aborted since ``scheduler_output`` was planned are skipped.
+        """
+        outputs = []
+        for rid, token_ids in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            if rid not in scheduler_output.num_scheduled_tokens:
+                raise ValueError(f"runner_output: request {rid!r} was not scheduled in this step")
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            new_token_ids = self._append_tokens(request, token_ids)
+            prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+            if new_token_ids or prompt_logprobs is not None:
+                outputs.append(
+                    self._make_engine_output(
+                        request, new_token_ids, runner_output.logprobs.get(rid), prompt_logprobs
+                    )
+                )
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            return []  # a prefill chunk that did not reach the end of the prompt
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= 1
+        appended = []
+        for token_id in token_ids:
+            request.append_output_token_ids([token_id])
+            appended.append(token_id)
+            if request.num_output_tokens == 1:
+                self.prompt_tokens += request.num_prompt_tokens
+            if check_stop(request, self.max_model_len):
+                break
+        self.generation_tokens += len(appended)
+        # Blocks completed by tokens that were placeholders when they were scheduled.
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.is_finished:
+            self._free_request(request)
+        return appended
+
+    def _make_engine_output(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        new_logprobs: LogprobsLists | None = None,
+        new_prompt_logprobs: LogprobsLists | None = None,
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=new_prompt_logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finished requests not yet reported to the runner (it must free their slots)."""
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+
+def _check_limits(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    max_model_len: int,
+    num_blocks: int,
+) -> None:
+    """Refuse limits under which a request could never finish (it would wait forever)."""
+    block_size = cache_config.block_size
+    needed = -(-max_model_len // block_size) + 1  # + the null block
+    if num_blocks < needed:
+        raise ValueError(
+            f"num_blocks: {num_blocks} blocks of {block_size} tokens (one is the null block) "
+            f"cannot hold one request of max_model_len={max_model_len} tokens; need {needed} "
+            "(lower max_model_len or give the KV cache more memory)"
+        )
+    budget = scheduler_config.max_num_batched_tokens
+    if not scheduler_config.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens: {budget} is below max_model_len={max_model_len}; without "
+            "chunked prefill a whole prompt must fit in one step"
+        )

@@ -1,0 +1,218 @@
+"""Llama-family decoder (Llama 2 / 3 / 3.1, Mistral; Qwen2 / Qwen3 in ``qwen.py``).
+
+``forward(input_ids [T], positions [T]) -> hidden_states [T, hidden]`` over a flat batch of
+tokens; per-step batch layout (which rows belong to which request, where their keys live)
+comes from the forward context, read by each ``Attention`` layer. ``compute_logits`` is
+separate so the runner computes logits only for the rows that need them.
+
+Variations hook in through ``attention_cls`` (a subclass of ``LlamaAttention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.attention.layer import Attention
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedserve.layers.logits import LogitsProcessor
+from pagedserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_hf_config
+from pagedserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.model.weight_mapping import load_checkpoint_weights
+
+# Non-parameter tensors that some checkpoints carry.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Explicit ``head_dim`` when the config has one, else hidden_size / num_attention_heads."""
+    return (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"hidden_act: {hf_config.hidden_act!r} is not supported (only silu)")
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        bias = getattr(hf_config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, dtype, device)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        num_heads, num_kv_heads = hf_config.num_attention_heads, num_kv_heads_of(hf_config)
+        head_dim = head_dim_of(hf_config)
+        qkv_bias, o_bias = self.projection_biases(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device
+        )
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, dtype, device)
+        self.rotary_emb = rotary_emb
+        self.head_dim = head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.attn = Attention(
+            self.qkv_proj.num_heads_per_rank,
+            head_dim,
+            head_dim**-0.5,
+            self.qkv_proj.num_kv_heads_per_rank,
+            f"{prefix}.attn",
+        )
+
+    @staticmethod
+    def projection_biases(hf_config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
+    def normalize_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before rope (Qwen3 normalizes each head here); Llama leaves q and k as they are."""
+        return query, key
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        attention_cls: type[LlamaAttention],
+        rotary_emb: RotaryEmbedding,
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = attention_cls(hf_config, rotary_emb, f"{prefix}.self_attn", dtype, device)
+        self.mlp = LlamaMLP(hf_config, dtype, device)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (sublayer output, residual stream); the caller adds them in the next norm."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        attention_cls: type[LlamaAttention],
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, dtype, device)
+        rope_parameters = rope_parameters_from_hf_config(hf_config)
+        # One rotary module (one cos/sin cache) shared by every layer.
+        rotary_emb = get_rope(
+            head_dim_of(hf_config),
+            hf_config.max_position_embeddings,
+            rope_parameters,
+            dtype,
+            device,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                hf_config, attention_cls, rotary_emb, f"{prefix}.layers.{i}", dtype, device
+            )
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, self.attention_cls, "model", dtype, device)
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, dtype, device
+            )
+        self.logits_processor = LogitsProcessor(hf_config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids int [T], positions int64 [T] -> hidden_states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden] (the rows that need logits) -> [N, vocab_size]."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names."""
+        return load_checkpoint_weights(self, weights, self._ignored_checkpoint_name)
+
+    def _ignored_checkpoint_name(self, name: str) -> bool:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return True
+        # A tied model reads its LM head from embed_tokens; a saved copy adds nothing.
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layers with full attention (the registry refuses sliding windows)."""

@@ -1,0 +1,52 @@
+"""Qwen2 and Qwen3: Llama with a different attention block.
+
+Qwen2 has a bias on the q/k/v projections (none on o_proj). Qwen3 drops it (unless
+``attention_bias``) and normalizes each query and key head with its own RMSNorm before rope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.model.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen2Attention(LlamaAttention):
+    @staticmethod
+    def projection_biases(hf_config: Any) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(hf_config, rotary_emb, prefix, dtype, device)
+        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
+
+    def normalize_qk(
+        self, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, Hq * D], key [T, Hkv * D]: RMSNorm over each head's D values."""
+        num_tokens = query.shape[0]
+        q = self.q_norm(query.reshape(num_tokens, -1, self.head_dim))
+        k = self.k_norm(key.reshape(num_tokens, -1, self.head_dim))
+        return q.view(num_tokens, -1), k.view(num_tokens, -1)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
