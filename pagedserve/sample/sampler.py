@@ -1,0 +1,164 @@
+"""The sampler: per-slot state plus the per-step pipeline that turns logits into token ids.
+
+Per step (rows gathered through idx_mapping, batch row -> slot):
+  1. logits upcast to fp32 (the model's logits stay untouched, for raw logprobs)
+  2. logit_bias, then min_tokens (-inf on stop tokens while the slot is under min_tokens)
+  3. repetition / frequency / presence penalties
+  4. greedy rows (temperature < 1e-5): argmax of these processed logits
+  5. other rows: divide by temperature (fp32), min-p, top-k, top-p, then the Gumbel-max race
+     argmax(logits + g) with g from a counter-based hash of (seed, output index, vocab index)
+  6. logprobs, if any row asks: raw log_softmax of the model's logits (see logprob.py)
+
+Nothing here makes the device wait for the host: no ``.item()``, no ``torch.multinomial``, no
+branch on a device value. The only branches are on host-side facts about the batch, read from
+numpy mirrors of the per-slot parameters with idx_mapping_np.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.sample.logit_bias import LogitBiasState, min_tokens_stop_ids
+from pagedserve.sample.logprob import compute_topk_logprobs
+from pagedserve.sample.noise import gumbel_argmax, vocab_keys
+from pagedserve.sample.output import SamplerOutput
+from pagedserve.sample.penalties import PenaltiesState, uses_penalties
+from pagedserve.sample.states import NO_LOGPROBS, SamplingStates
+from pagedserve.sample.topk_topp import apply_min_p, apply_top_k, apply_top_k_top_p
+from pagedserve.sampling_params import SamplingParams
+
+
+def _check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field}: token id(s) {bad[:5]} out of vocabulary (size {vocab_size})")
+
+
+class Sampler:
+    def __init__(
+        self, max_num_reqs: int, vocab_size: int, device: torch.device, seed: int = 0
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = device
+        self.states = SamplingStates(max_num_reqs, vocab_size, device, seed)
+        self.penalties = PenaltiesState(max_num_reqs, vocab_size, device)
+        self.logit_bias = LogitBiasState(max_num_reqs, device)
+        self.vocab_keys = vocab_keys(vocab_size, device)  # int64 [V], the noise hash's vocab half
+
+    def add_request(
+        self,
+        slot: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        eos_token_id: int | None = None,
+    ) -> None:
+        """Give a request's sampling state to ``slot``.
+
+        output_token_ids is non-empty when a preempted request resumes: its penalty counts,
+        min_tokens progress and seeded noise stream continue where they stopped.
+        """
+        if not 0 <= slot < self.max_num_reqs:
+            raise ValueError(f"slot: {slot} not in [0, {self.max_num_reqs})")
+        _check_token_ids("logit_bias", list(params.logit_bias or {}), self.vocab_size)
+        _check_token_ids(
+            "stop_token_ids", min_tokens_stop_ids(params, eos_token_id), self.vocab_size
+        )
+        if uses_penalties(params):  # only penalties index device tensors with these ids
+            _check_token_ids("prompt_token_ids", prompt_token_ids, self.vocab_size)
+            _check_token_ids("output_token_ids", output_token_ids, self.vocab_size)
+        self.states.add_request(slot, params, len(output_token_ids))
+        self.penalties.add_request(slot, params, prompt_token_ids, output_token_ids)
+        self.logit_bias.add_request(slot, params, eos_token_id)
+
+    def remove_request(self, slot: int) -> None:
+        self.states.remove_request(slot)
+        self.penalties.remove_request(slot)
+        self.logit_bias.remove_request(slot)
+
+    def __call__(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+    ) -> SamplerOutput:
+        """Sample one token per row of logits [num_rows, V] (model dtype)."""
+        idx_mapping = idx_mapping.to(torch.int64)
+        processed = self.process_logits(logits, idx_mapping, idx_mapping_np)
+        sampled = self._sample(processed, idx_mapping, idx_mapping_np)
+        num_logprobs = self.states.max_num_logprobs(idx_mapping_np)
+        logprobs = None
+        if num_logprobs != NO_LOGPROBS:
+            logprobs = compute_topk_logprobs(logits, num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def process_logits(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+    ) -> torch.Tensor:
+        """fp32 [num_rows, V]: the logits after logit_bias, min_tokens and penalties.
+
+        A new tensor; ``logits`` is not modified. Temperature and truncation come later.
+        """
+        self._check_batch(logits, idx_mapping, idx_mapping_np)
+        self._copy_to_device()
+        idx_mapping = idx_mapping.to(torch.int64)
+        processed = logits.to(torch.float32, copy=True)
+        self.logit_bias.apply(processed, idx_mapping, idx_mapping_np, self.states.num_output_tokens)
+        self.penalties.apply(processed, idx_mapping, idx_mapping_np)
+        return processed
+
+    def update_after_sampling(
+        self, idx_mapping: torch.Tensor, sampled_token_ids: torch.Tensor
+    ) -> None:
+        """Record the tokens kept this step, on the device: penalty counts and output counters.
+
+        Call it with the rows whose tokens are kept (not rows of a partial prefill, whose token
+        is thrown away); each slot at most once per call.
+        """
+        idx_mapping = idx_mapping.to(torch.int64)
+        sampled_token_ids = sampled_token_ids.view(-1).to(torch.int64)
+        self.states.num_output_tokens.index_add_(0, idx_mapping, torch.ones_like(idx_mapping))
+        self.penalties.count_sampled(idx_mapping, sampled_token_ids)
+
+    def _sample(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+    ) -> torch.Tensor:
+        """int64 [num_rows] from processed logits fp32 [num_rows, V] (changed in place)."""
+        states = self.states
+        if states.all_greedy(idx_mapping_np):
+            return logits.argmax(dim=-1)
+        greedy_ids = logits.argmax(dim=-1) if states.any_greedy(idx_mapping_np) else None
+        if states.any_temperature(idx_mapping_np):
+            logits.div_(states.temperature.dev[idx_mapping].unsqueeze(1))
+        if states.any_min_p(idx_mapping_np):
+            apply_min_p(logits, states.min_p.dev[idx_mapping])
+        max_top_k = states.max_top_k(idx_mapping_np)
+        top_k = states.top_k.dev[idx_mapping] if max_top_k > 0 else None
+        if states.any_top_p(idx_mapping_np):
+            logits = apply_top_k_top_p(logits, top_k, states.top_p.dev[idx_mapping])
+        elif top_k is not None:
+            apply_top_k(logits, top_k, max_top_k)
+        counters = states.num_output_tokens[idx_mapping]
+        sampled = gumbel_argmax(logits, states.seeds.dev[idx_mapping], counters, self.vocab_keys)
+        if greedy_ids is not None:
+            sampled = torch.where(states.greedy.dev[idx_mapping], greedy_ids, sampled)
+        return sampled
+
+    def _copy_to_device(self) -> None:
+        """Apply the staged per-slot parameter writes of add_request/remove_request."""
+        self.states.copy_to_device()
+        self.penalties.copy_to_device()
+        self.logit_bias.copy_to_device()
+
+    def _check_batch(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+    ) -> None:
+        """Shape checks only (host-side metadata, never device values)."""
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(
+                f"logits: expected [num_rows, {self.vocab_size}], got {list(logits.shape)}"
+            )
+        if idx_mapping.shape != (logits.shape[0],) or idx_mapping_np.shape != (logits.shape[0],):
+            raise ValueError(
+                f"idx_mapping: expected [{logits.shape[0]}] on device and host, got "
+                f"{list(idx_mapping.shape)} and {list(idx_mapping_np.shape)}"
+            )
