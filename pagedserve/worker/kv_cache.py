@@ -1,0 +1,65 @@
+"""How many KV blocks fit, and the cache tensors themselves.
+
+One block holds ``block_size`` tokens of keys and values of every attention layer. The number
+of blocks comes from, in order: ``num_gpu_blocks_override``; on the CPU the
+``kv_cache_memory`` byte budget; on CUDA ``gpu_memory_utilization`` of the card minus the
+weights and the peak activation memory of a profile run. A budget never yields more blocks than
+``max_num_seqs`` full-length requests could use (plus the block pool's null block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedserve.attention.layer import Attention
+from pagedserve.worker.block_table import cdiv
+
+MIN_NUM_BLOCKS = 2
+"""The block pool's null block plus at least one usable block."""
+
+
+def kv_bytes_per_block(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> int:
+    elem_size = torch.empty((), dtype=dtype).element_size()
+    per_layer = [math.prod(layer.kv_cache_shape(1, block_size)) for layer in layers.values()]
+    return sum(per_layer) * elem_size
+
+
+def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    return max_num_seqs * cdiv(max_model_len, block_size) + 1
+
+
+def num_blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_blocks: int) -> int:
+    """Blocks that fit in ``budget_bytes``, at most ``max_blocks``; ValueError below two."""
+    num_blocks = min(max(budget_bytes, 0) // bytes_per_block, max_blocks)
+    if num_blocks < MIN_NUM_BLOCKS:
+        raise ValueError(
+            f"KV cache: a budget of {budget_bytes / 2**20:.1f} MiB holds {num_blocks} blocks of "
+            f"{bytes_per_block / 2**20:.2f} MiB, at least {MIN_NUM_BLOCKS} are needed (raise "
+            "kv_cache_memory / gpu_memory_utilization, or lower max_num_batched_tokens)"
+        )
+    return num_blocks
+
+
+def cuda_kv_budget(
+    device: torch.device, gpu_memory_utilization: float, weights_bytes: int, peak_bytes: int
+) -> int:
+    """``gpu_memory_utilization * total - weights - peak activations``, in bytes."""
+    total = torch.cuda.mem_get_info(device)[1]
+    return int(gpu_memory_utilization * total) - weights_bytes - peak_bytes
+
+
+def allocate_kv_caches(
+    layers: dict[str, Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """layer name -> [2, num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
+    return {
+        name: torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=dtype,
+                          device=device)
+        for name, layer in layers.items()
+    }

@@ -1,0 +1,295 @@
+"""The model runner: one engine step on the device, as the seed's forward-pass tour walks it.
+
+``execute_model`` applies the scheduler's plan to the request slots (stop 1), orders the batch
+and picks its graph descriptor (2), builds the inputs (3), block tables and slot mappings (4),
+one attention metadata object (5), and runs the model inside the forward context (6-12); the
+hidden states are kept. ``sample_tokens`` turns the last row of each request whose prefill is
+complete into logits, samples, writes ``last_sampled_tokens`` on the device for the next step,
+and copies the result to the host (13-14).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention.backends.base import AttentionMetadata
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.layer import attention_layers, bind_kv_caches
+from pagedserve.config import EngineConfig
+from pagedserve.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedserve.model.loader import get_max_model_len, load_model
+from pagedserve.platform import resolve_dtype
+from pagedserve.sample import Sampler, SamplerOutput
+from pagedserve.worker import kv_cache
+from pagedserve.worker.async_output import AsyncOutput
+from pagedserve.worker.attn_utils import (
+    build_attn_metadata,
+    make_forward_context,
+    select_attention_backend,
+)
+from pagedserve.worker.block_table import BlockTables, single_group
+from pagedserve.worker.cudagraph import BatchDescriptor, CudaGraphMode, dispatch, padded_size
+from pagedserve.worker.input_batch import (
+    InputBatch,
+    InputBuffers,
+    plan_batch,
+    prepare_inputs,
+)
+from pagedserve.worker.ops import select_input_prep_ops
+from pagedserve.worker.profile import measure_peak_memory
+from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
+from pagedserve.worker.states import RequestStates
+from pagedserve.worker.tracer import NullTracer, Tracer
+
+
+@dataclass
+class ExecuteModelState:
+    """What execute_model leaves for sample_tokens."""
+
+    batch: InputBatch
+    attn_metadata: AttentionMetadata
+    hidden_states: torch.Tensor  # [num_tokens_after_padding, hidden_size], device
+
+
+def _first_eos(hf_config: object) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list | tuple) and eos else eos
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = resolve_dtype(config.model.dtype, device)
+        self.block_size = config.cache.block_size
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.capture_sizes = config.compilation.capture_sizes
+        # Buffers hold the padded sizes: a step may pad up to the next capture size.
+        self.max_num_tokens = padded_size(self.max_num_batched_tokens, self.capture_sizes)
+        self.max_num_reqs_padded = padded_size(self.max_num_reqs, self.capture_sizes)
+        self.ops = select_input_prep_ops(device)
+        self.attn_backend = select_attention_backend(device)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.tracer: Tracer = NullTracer()
+        self.execute_model_state: ExecuteModelState | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.weights_bytes = 0
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        """Load the weights, then size every per-request buffer from the model's context."""
+        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.model, self.hf_config = load_model(self.config.model, self.device, self.dtype)
+        if self.device.type == "cuda":
+            self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.max_model_len = get_max_model_len(self.config.model, self.hf_config)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.eos_token_id = _first_eos(self.hf_config)
+        self.attn_layers = attention_layers(self.model)
+        self.layer_names = list(self.attn_layers)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device)
+        self.block_tables = BlockTables(self.max_num_reqs, self.max_model_len,
+                                        self.max_num_tokens, self.block_size, self.device,
+                                        self.ops)
+        self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device)
+        self.sampler = Sampler(self.max_num_reqs, self.vocab_size, self.device,
+                               seed=self.config.model.seed)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = kv_cache.cuda_kv_budget(self.device, cache.gpu_memory_utilization,
+                                             self.weights_bytes, measure_peak_memory(self))
+        else:
+            budget = cache.kv_cache_memory
+        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        max_blocks = kv_cache.max_useful_blocks(self.max_num_reqs, self.max_model_len,
+                                                self.block_size)
+        return kv_cache.num_blocks_from_budget(budget, per_block, max_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks,
+                                                     self.block_size, self.dtype, self.device)
+        bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
+        self.num_blocks = num_blocks
+
+    def release_kv_cache(self) -> None:
+        """Drop the cache tensors (the profile step's temporary cache) so their memory frees."""
+        for layer in self.attn_layers.values():
+            layer.kv_cache = None
+        self.kv_caches = {}
+
+    # ---- stop 1: the plan -----------------------------------------------------------------
+
+    def _remove_request(self, req_id: str) -> None:
+        slot = self.states.remove_request(req_id)
+        if slot is not None:
+            self.sampler.remove_request(slot)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        slot = self.states.add_request(new.req_id, new.prefill_token_ids, new.num_prompt_tokens,
+                                       new.num_computed_tokens, new.sampling_params)
+        self.block_tables.overwrite_row(slot, single_group(new.block_ids, new.req_id))
+        prompt = new.prefill_token_ids[: new.num_prompt_tokens]
+        outputs = new.prefill_token_ids[new.num_prompt_tokens :]
+        self.sampler.add_request(slot, new.sampling_params, prompt, outputs, self.eos_token_id)
+
+    def _update_requests(self, cached: CachedRequestData) -> None:
+        if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
+            raise ValueError("scheduled_cached_reqs: req_ids, new_block_ids and "
+                             "num_computed_tokens must have the same length")
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            slot = self.states.set_num_computed_tokens(req_id, num_computed)
+            if new_block_ids is not None:
+                self.block_tables.append_block_ids(slot, single_group(new_block_ids, req_id))
+
+    def _apply_plan(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self._remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            self._add_request(new)
+        self._update_requests(so.scheduled_cached_reqs)
+        self.block_tables.apply_staged_writes()
+        self.states.apply_staged_writes()
+        self.tracer.record(
+            "plan",
+            req_id_to_index=self.states.req_id_to_index,
+            num_computed_tokens=self.states.num_computed_tokens_np,
+            prefill_len=self.states.prefill_len_np,
+            num_blocks=self.block_tables.num_blocks_np,
+            block_table=self.block_tables.block_table_np,
+        )
+
+    # ---- stops 2-6: inputs, attention metadata, forward -------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.execute_model_state = None
+        self._apply_plan(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return
+        batch = self._prepare_inputs(scheduler_output)
+        metadata = self._prepare_attn(batch)
+        hidden_states = self._run_model(batch, metadata)
+        self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states)
+
+    def _execution_mode(self, descriptor: BatchDescriptor) -> CudaGraphMode:
+        """How a step really runs. No graph is captured yet (the CPU never has one), so every
+        step runs eagerly, with its tokens padded as the descriptor says."""
+        return CudaGraphMode.NONE
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
+        plan = plan_batch(so.num_scheduled_tokens, self.states)
+        plan.check(so.total_num_scheduled_tokens, self.max_num_batched_tokens, self.max_model_len,
+                   self.block_tables.num_blocks_np * self.block_size)
+        descriptor = dispatch(plan.num_reqs, plan.num_tokens, plan.uniform_decode_len,
+                              self.capture_sizes, self.config.compilation.enforce_eager)
+        mode = self._execution_mode(descriptor)
+        self.tracer.record("batch", req_ids=plan.req_ids, idx_mapping=plan.idx_mapping_np,
+                           query_lens=plan.query_lens_np,
+                           has_prefill=bool(plan.is_prefilling_np.any()),
+                           uniform_decode_len=plan.uniform_decode_len, descriptor=descriptor,
+                           execution_mode=mode, capture_sizes=self.capture_sizes)
+        batch = prepare_inputs(plan, descriptor, mode, self.buffers, self.states, self.ops)
+        self.tracer.record("inputs", query_start_loc=batch.query_start_loc,
+                           query_start_loc_buffer=self.buffers.query_start_loc,
+                           input_ids=batch.input_ids, positions=batch.positions,
+                           seq_lens=batch.seq_lens, logits_indices=batch.logits_indices,
+                           is_padding=batch.is_padding)
+        return batch
+
+    def _prepare_attn(self, batch: InputBatch) -> AttentionMetadata:
+        block_table = self.block_tables.gather_block_tables(batch.idx_mapping,
+                                                            batch.num_reqs_after_padding)
+        slot_mapping = self.block_tables.compute_slot_mappings(
+            batch.idx_mapping, batch.query_start_loc, self.buffers.positions,
+            batch.num_tokens_after_padding)
+        self.tracer.record("attn", block_table=block_table, slot_mapping=slot_mapping,
+                           block_size=self.block_size)
+        metadata = build_attn_metadata(batch, block_table, slot_mapping)
+        self.tracer.record("metadata", metadata=metadata, layer_names=self.layer_names)
+        return metadata
+
+    def _run_model(self, batch: InputBatch, metadata: AttentionMetadata) -> torch.Tensor:
+        ctx = make_forward_context(self.attn_layers, metadata, batch)
+        with set_forward_context(ctx):
+            hidden_states = self.model(batch.input_ids, batch.positions)
+        self.tracer.record("forward", hidden_states=hidden_states, cudagraph_mode=batch.mode)
+        return hidden_states
+
+    # ---- stops 13-14: logits, sampler, output -------------------------------------------------
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self.sample_tokens_async().get_output()
+
+    @torch.inference_mode()
+    def sample_tokens_async(self) -> AsyncOutput:
+        """Sample, start the copy to the host, update the slots; the host has not waited."""
+        state, self.execute_model_state = self.execute_model_state, None
+        if state is None:
+            return AsyncOutput([], [], [], None, None, [], self.copy_stream)
+        batch = state.batch
+        rows = np.flatnonzero(batch.plan.samples_np)  # batch rows whose prefill is complete
+        idx_mapping, idx_mapping_np = self._select_rows(batch.idx_mapping, batch.idx_mapping_np,
+                                                        rows)
+        sampler_output = None
+        if rows.size:
+            logits_indices, _ = self._select_rows(batch.logits_indices, batch.logits_indices_np,
+                                                  rows)
+            sampler_output = self._sample(state.hidden_states, logits_indices, idx_mapping,
+                                          idx_mapping_np)
+        prompt_plan = plan_prompt_logprobs(batch, self.states)
+        output = AsyncOutput(
+            req_ids=batch.req_ids,
+            sample_rows=rows.tolist(),
+            num_logprobs=[self.states.sampling_params[s].logprobs for s in idx_mapping_np],
+            sampler_output=sampler_output,
+            prompt_logprobs=None if prompt_plan is None else compute_batch_prompt_logprobs(
+                prompt_plan, state.hidden_states, self.model.compute_logits,
+                self.states.all_token_ids),
+            prompt_spans=[] if prompt_plan is None else prompt_plan.spans,
+            copy_stream=self.copy_stream,
+        )
+        if sampler_output is not None:
+            self._postprocess(idx_mapping, sampler_output)
+        return output
+
+    def _select_rows(
+        self, full: torch.Tensor, full_np: np.ndarray, rows: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Batch rows ``rows`` of a per-request tensor and its host twin; the tensor itself when
+        every row is kept (the common case: no partial prefill chunk in the batch)."""
+        if rows.size == full_np.shape[0]:
+            return full, full_np
+        selected_np = full_np[rows]
+        return torch.from_numpy(selected_np).to(self.device, non_blocking=True), selected_np
+
+    def _sample(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,
+                idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> SamplerOutput:
+        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_rows, V]
+        self.tracer.record("logits", logits=logits, logits_indices=logits_indices)
+        return self.sampler(logits, idx_mapping, idx_mapping_np)
+
+    def _postprocess(self, idx_mapping: torch.Tensor, sampler_output: SamplerOutput) -> None:
+        """The next step reads these tokens on the device; the host never needs them to build
+        a step."""
+        sampled = sampler_output.sampled_token_ids  # int64 [num_rows]
+        self.states.last_sampled_tokens.index_copy_(0, idx_mapping.long(), sampled)
+        self.sampler.update_after_sampling(idx_mapping, sampled)
+        self.tracer.record("sample", sampled_token_ids=sampled, idx_mapping=idx_mapping,
+                           last_sampled_tokens=self.states.last_sampled_tokens)

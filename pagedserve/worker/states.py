@@ -1,0 +1,115 @@
+"""Request slots: every running request owns one row of each per-request buffer for its life.
+
+A step never moves rows; it reads them through ``idx_mapping`` (batch row -> slot). Slots are
+handed out from the top (the first request gets ``max_num_reqs - 1``) and a freed slot is the
+next one handed out again, as in the seed.
+
+Host numpy mirrors hold what the host must know without asking the device (counts, lengths);
+``apply_staged_writes`` copies the mirrors to their device twins once per step. Token ids of a
+prompt live on the device only (``all_token_ids``): the input kernels read them from there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStates:
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = device
+
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: dict[int, str] = {}
+        # Stack of free slots: pop() takes the highest, a freed slot is pushed back on top.
+        self.free_slots: list[int] = list(range(max_num_reqs))
+
+        # Tokens whose KV is in the cache (set by the scheduler each step).
+        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
+        self.num_computed_tokens = torch.zeros(
+            max_num_reqs, dtype=torch.int32, device=device
+        )  # int32 [max_num_reqs], device twin
+        # Tokens to prefill from all_token_ids (prompt, plus outputs of a preempted request).
+        self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
+        self.prefill_len = torch.zeros(
+            max_num_reqs, dtype=torch.int32, device=device
+        )  # int32 [max_num_reqs], device twin
+        self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
+        # Generated tokens inside the prefill (non-zero for a request resumed after preemption).
+        self.num_output_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
+        # Row s, entries [0, prefill_len[s]): the slot's prefill tokens. Later entries unused:
+        # generated tokens reach the next step through last_sampled_tokens.
+        self.all_token_ids = torch.zeros(
+            max_num_reqs, max_model_len, dtype=torch.int32, device=device
+        )  # int32 [max_num_reqs, max_model_len]
+        # The token sampled last for each slot, written on the device by sample_tokens and read
+        # by the next step's input preparation; the host never needs it to build a step.
+        self.last_sampled_tokens = torch.zeros(
+            max_num_reqs, dtype=torch.int64, device=device
+        )  # int64 [max_num_reqs]
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(
+        self,
+        req_id: str,
+        prefill_token_ids: list[int],
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        sampling_params: SamplingParams,
+    ) -> int:
+        """Give ``req_id`` a slot and store its prefill tokens; returns the slot."""
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"req_id: request {req_id!r} already owns slot "
+                             f"{self.req_id_to_index[req_id]}")
+        if not self.free_slots:
+            raise ValueError(f"max_num_seqs: all {self.max_num_reqs} request slots are in use")
+        prefill_len = len(prefill_token_ids)
+        if not 0 < prefill_len <= self.max_model_len:
+            raise ValueError(f"prefill_token_ids: request {req_id!r} has {prefill_len} tokens, "
+                             f"must be 1..max_model_len ({self.max_model_len})")
+        if not 0 < num_prompt_tokens <= prefill_len:
+            raise ValueError(f"num_prompt_tokens: {num_prompt_tokens} for request {req_id!r} "
+                             f"is not in 1..{prefill_len}")
+        slot = self.free_slots.pop()
+        self.req_id_to_index[req_id] = slot
+        self.index_to_req_id[slot] = req_id
+        self.prefill_len_np[slot] = prefill_len
+        self.num_prompt_tokens_np[slot] = num_prompt_tokens
+        self.num_output_tokens_np[slot] = prefill_len - num_prompt_tokens
+        self.num_computed_tokens_np[slot] = num_computed_tokens
+        self.sampling_params[slot] = sampling_params
+        tokens = torch.tensor(prefill_token_ids, dtype=torch.int32)  # int32 [prefill_len], host
+        self.all_token_ids[slot, :prefill_len].copy_(tokens, non_blocking=True)
+        return slot
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Free the slot of ``req_id``; returns it, or None when the request has no slot."""
+        slot = self.req_id_to_index.pop(req_id, None)
+        if slot is None:
+            return None
+        del self.index_to_req_id[slot]
+        self.sampling_params[slot] = None
+        self.free_slots.append(slot)
+        return slot
+
+    def set_num_computed_tokens(self, req_id: str, num_computed_tokens: int) -> int:
+        """Mirror the scheduler's count for a running request; returns its slot."""
+        slot = self.req_id_to_index.get(req_id)
+        if slot is None:
+            raise ValueError(f"scheduled_cached_reqs: request {req_id!r} has no slot")
+        self.num_computed_tokens_np[slot] = num_computed_tokens
+        return slot
+
+    def apply_staged_writes(self) -> None:
+        """Copy the host counts to their device twins (two small copies per step)."""
+        self.num_computed_tokens.copy_(torch.from_numpy(self.num_computed_tokens_np),
+                                       non_blocking=True)
+        self.prefill_len.copy_(torch.from_numpy(self.prefill_len_np), non_blocking=True)

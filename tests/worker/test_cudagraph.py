@@ -1,0 +1,51 @@
+"""The CUDA-graph dispatcher: padding to the next capture size, FULL only for uniform decodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.config import default_capture_sizes
+from pagedserve.worker.cudagraph import BatchDescriptor, CudaGraphMode, dispatch, padded_size
+
+H200_SIZES = default_capture_sizes(512)  # 1, 2, 4, 8..256 by 8, 272..512 by 16
+
+
+def test_seed_mixed_batch_is_piecewise_304() -> None:
+    desc = dispatch(3, 300, None, H200_SIZES, enforce_eager=False)
+    assert desc == BatchDescriptor(CudaGraphMode.PIECEWISE, 304, None)
+
+
+def test_uniform_decode_pads_tokens_and_requests() -> None:
+    assert dispatch(3, 3, 1, H200_SIZES, False) == BatchDescriptor(CudaGraphMode.FULL, 4, 4)
+    assert dispatch(8, 8, 1, H200_SIZES, False) == BatchDescriptor(CudaGraphMode.FULL, 8, 8)
+
+
+def test_above_largest_capture_size_runs_eagerly_unpadded() -> None:
+    assert dispatch(3, 600, None, H200_SIZES, False) == BatchDescriptor(CudaGraphMode.NONE, 600,
+                                                                         None)
+    assert dispatch(600, 600, 1, H200_SIZES, False).mode is CudaGraphMode.NONE
+
+
+def test_enforce_eager_never_pads() -> None:
+    assert dispatch(3, 300, None, H200_SIZES, True) == BatchDescriptor(CudaGraphMode.NONE, 300,
+                                                                        None)
+    assert dispatch(3, 3, 1, H200_SIZES, True) == BatchDescriptor(CudaGraphMode.NONE, 3, None)
+
+
+def test_prefill_of_uniform_length_is_piecewise() -> None:
+    # Two requests of 5 tokens each, not decoding: uniform_decode_len is None.
+    assert dispatch(2, 10, None, H200_SIZES, False) == BatchDescriptor(
+        CudaGraphMode.PIECEWISE, 16, None)
+
+
+def test_exact_capture_size_is_not_padded() -> None:
+    assert dispatch(2, 512, None, H200_SIZES, False).num_tokens == 512
+    assert padded_size(257, H200_SIZES) == 272
+    assert padded_size(513, H200_SIZES) == 513
+
+
+def test_bad_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="dispatch"):
+        dispatch(0, 0, None, H200_SIZES, False)
+    with pytest.raises(ValueError, match="dispatch"):
+        dispatch(4, 3, None, H200_SIZES, False)

@@ -1,0 +1,74 @@
+"""KV-cache sizing (override, CPU byte budget, the cap), the profile step and its plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve.config import CacheConfig
+from pagedserve.worker import kv_cache
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.profile import PROFILE_SAMPLING, profile_step
+from tests.worker.conftest import TINY_LLAMA, RunnerFactory
+
+# 2 layers x (K and V) x 4 tokens x 2 KV heads x head_dim 8 x 4 bytes (fp32)
+BYTES_PER_BLOCK = 2 * 2 * 4 * 2 * 8 * 4
+
+
+def _with_cache(runner: ModelRunner, **cache: object) -> ModelRunner:
+    runner.config = dataclasses.replace(runner.config, cache=CacheConfig(block_size=4, **cache))
+    return runner
+
+
+def test_bytes_per_block_counts_every_layer(make_runner: RunnerFactory) -> None:
+    runner = make_runner(block_size=4)
+    assert TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"] == 8
+    assert kv_cache.kv_bytes_per_block(runner.attn_layers, 4, runner.dtype) == BYTES_PER_BLOCK
+
+
+def test_num_blocks_from_override_budget_and_cap(make_runner: RunnerFactory) -> None:
+    runner = make_runner(block_size=4, max_num_seqs=8)
+    assert _with_cache(runner, num_gpu_blocks_override=7).determine_num_blocks() == 7
+    budget = 10 * BYTES_PER_BLOCK + 5
+    assert _with_cache(runner, kv_cache_memory=budget).determine_num_blocks() == 10
+    # 8 requests of max_model_len 1024 use at most 8 * 256 blocks, plus the null block.
+    huge = _with_cache(runner, kv_cache_memory=2**30).determine_num_blocks()
+    assert huge == 8 * (1024 // 4) + 1
+    with pytest.raises(ValueError, match="KV cache"):
+        _with_cache(runner, kv_cache_memory=BYTES_PER_BLOCK).determine_num_blocks()
+
+
+def test_initialize_kv_cache_binds_every_layer(make_runner: RunnerFactory) -> None:
+    runner = make_runner(block_size=4, num_blocks=12)
+    for name, layer in runner.attn_layers.items():
+        assert layer.kv_cache is runner.kv_caches[name]
+        assert layer.kv_cache.shape == (2, 12, 4, 2, 8)
+        assert layer.backend is runner.attn_backend
+
+
+def test_profile_step_fills_the_token_budget() -> None:
+    step = profile_step(max_num_batched_tokens=100, max_num_seqs=8, max_model_len=64,
+                        block_size=16)
+    lens = [len(r.prefill_token_ids) for r in step.run.scheduled_new_reqs]
+    assert lens == [13, 13, 13, 13, 12, 12, 12, 12] and step.run.total_num_scheduled_tokens == 100
+    block_ids = [b for r in step.run.scheduled_new_reqs for b in r.block_ids[0]]
+    assert block_ids == list(range(1, 9)) and step.num_blocks == 9
+    assert step.finish.finished_req_ids == set(step.run.num_scheduled_tokens)
+    # Fewer slots than the budget needs: every request runs its whole context.
+    small = profile_step(max_num_batched_tokens=100, max_num_seqs=2, max_model_len=30,
+                         block_size=16)
+    assert small.run.num_scheduled_tokens == {"profile-0": 30, "profile-1": 30}
+
+
+def test_profile_step_runs_through_the_runner(make_runner: RunnerFactory) -> None:
+    runner = make_runner(block_size=4, max_num_seqs=4, max_num_batched_tokens=24, num_blocks=16)
+    step = profile_step(24, 4, runner.max_model_len, 4)
+    assert step.num_blocks <= 16
+    runner.execute_model(step.run)
+    output = runner.sample_tokens()
+    assert [len(t) for t in output.sampled_token_ids] == [1, 1, 1, 1]
+    assert all(len(lp.token_ids[0]) == PROFILE_SAMPLING.logprobs + 1
+               for lp in output.logprobs.values())
+    runner.execute_model(step.finish)
+    assert runner.states.req_id_to_index == {}
