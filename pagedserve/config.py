@@ -122,12 +122,30 @@ def default_capture_sizes(max_capture_size: int) -> list[int]:
 class CompilationConfig:
     enforce_eager: bool = False
     """Never compile or capture graphs."""
+    mode: Literal["auto", "compile", "none"] = "auto"
+    """auto: torch.compile + CUDA graphs on GPUs, eager on the CPU; compile: torch.compile on
+    any device (graphs on GPUs only); none: eager."""
+    piece_compiler: Literal["inductor", "eager"] = "inductor"
+    """How each piece between attention ops is compiled (eager: traced FX code as it is)."""
     max_capture_size: int = 512
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     """Explicit capture sizes; default: ``default_capture_sizes(max_capture_size)``."""
 
     def __post_init__(self) -> None:
         _check(self.max_capture_size >= 1, "max_capture_size: must be >= 1")
+        _check(self.mode in ("auto", "compile", "none"), f"mode: {self.mode!r} is not auto, compile or none")
+        _check(
+            self.piece_compiler in ("inductor", "eager"),
+            f"piece_compiler: {self.piece_compiler!r} is not inductor or eager",
+        )
+
+    def uses_compile(self, device_type: str) -> bool:
+        if self.enforce_eager or self.mode == "none":
+            return False
+        return self.mode == "compile" or device_type == "cuda"
+
+    def uses_cuda_graphs(self, device_type: str) -> bool:
+        return device_type == "cuda" and self.uses_compile(device_type)
 
     @property
     def capture_sizes(self) -> list[int]:

@@ -11,6 +11,7 @@ from pagedserve.attention.backends.base import AttentionBackend, AttentionMetada
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.attention.layer import Attention
+from pagedserve.worker.cudagraph import CudaGraphMode
 from pagedserve.worker.input_batch import InputBatch
 
 
@@ -27,15 +28,21 @@ def build_attn_metadata(
     batch: InputBatch,
     block_table: torch.Tensor,  # int32 [num_reqs_after_padding, max_num_blocks], device
     slot_mapping: torch.Tensor,  # int64 [num_tokens_after_padding], device
+    max_model_len: int,
 ) -> AttentionMetadata:
     """The step's batch layout. Host copies of query_start_loc and seq_lens ride along, so
-    max_query_len, max_seq_len and a host-side backend need no device-to-host copy."""
+    max_query_len, max_seq_len and a host-side backend need no device-to-host copy.
+
+    A FULL graph serves every later context length, so its metadata claims the longest one
+    (``max_model_len``): the backend's launch choices (split-KV segments) are made for it at
+    capture and stay valid at every replay."""
     n = batch.num_reqs_after_padding
+    full_graph = batch.mode is CudaGraphMode.FULL
     return AttentionMetadata(
         num_reqs=n,
         num_actual_tokens=batch.num_tokens,
         max_query_len=batch.max_query_len,
-        max_seq_len=batch.max_seq_len,
+        max_seq_len=max_model_len if full_graph else batch.max_seq_len,
         query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens,
         block_table=block_table,

@@ -18,6 +18,7 @@ import torch
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.attention.layer import attention_layers, bind_kv_caches
+from pagedserve.compilation.compiled_model import CompiledForward
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import (
     CachedRequestData,
@@ -37,6 +38,7 @@ from pagedserve.worker.attn_utils import (
 )
 from pagedserve.worker.block_table import BlockTables, single_group
 from pagedserve.worker.cudagraph import BatchDescriptor, CudaGraphMode, dispatch, padded_size
+from pagedserve.worker.graph_capture import capture_graphs
 from pagedserve.worker.input_batch import (
     InputBatch,
     InputBuffers,
@@ -83,6 +85,11 @@ class ModelRunner:
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
+        # Graphs: sizes captured per mode, and the mode being captured right now (start-up).
+        self.compiled_forward: CompiledForward | None = None
+        self.captured_sizes: dict[CudaGraphMode, set[int]] = {
+            CudaGraphMode.FULL: set(), CudaGraphMode.PIECEWISE: set()}
+        self.capturing: CudaGraphMode | None = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -104,6 +111,19 @@ class ModelRunner:
         self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device)
         self.sampler = Sampler(self.max_num_reqs, self.vocab_size, self.device,
                                seed=self.config.model.seed)
+        self.forward_fn = self.model
+        compilation = self.config.compilation
+        if compilation.uses_compile(self.device.type):
+            self.compiled_forward = CompiledForward(
+                self.model, compilation.piece_compiler,
+                use_cuda_graphs=compilation.uses_cuda_graphs(self.device.type))
+            self.forward_fn = self.compiled_forward
+
+    def capture_graphs(self) -> dict[str, list[int]]:
+        """Capture the FULL and PIECEWISE graphs (CUDA only; after the KV cache exists)."""
+        if not self.config.compilation.uses_cuda_graphs(self.device.type):
+            return {}
+        return capture_graphs(self)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -188,8 +208,13 @@ class ModelRunner:
         self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states)
 
     def _execution_mode(self, descriptor: BatchDescriptor) -> CudaGraphMode:
-        """How a step really runs. No graph is captured yet (the CPU never has one), so every
-        step runs eagerly, with its tokens padded as the descriptor says."""
+        """How a step really runs: the descriptor's graph if it was captured (or is being
+        captured now), else eagerly, with the tokens padded as the descriptor says."""
+        mode = descriptor.mode
+        if mode is CudaGraphMode.NONE:
+            return mode
+        if self.capturing is mode or descriptor.num_tokens in self.captured_sizes[mode]:
+            return mode
         return CudaGraphMode.NONE
 
     def _prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
@@ -220,14 +245,14 @@ class ModelRunner:
             batch.num_tokens_after_padding)
         self.tracer.record("attn", block_table=block_table, slot_mapping=slot_mapping,
                            block_size=self.block_size)
-        metadata = build_attn_metadata(batch, block_table, slot_mapping)
+        metadata = build_attn_metadata(batch, block_table, slot_mapping, self.max_model_len)
         self.tracer.record("metadata", metadata=metadata, layer_names=self.layer_names)
         return metadata
 
     def _run_model(self, batch: InputBatch, metadata: AttentionMetadata) -> torch.Tensor:
         ctx = make_forward_context(self.attn_layers, metadata, batch)
         with set_forward_context(ctx):
-            hidden_states = self.model(batch.input_ids, batch.positions)
+            hidden_states = self.forward_fn(batch.input_ids, batch.positions)
         self.tracer.record("forward", hidden_states=hidden_states, cudagraph_mode=batch.mode)
         return hidden_states
 

@@ -1,0 +1,145 @@
+"""Rooflines: the time a perfect engine would need on this card, from the model shape.
+
+A workload's roofline time is the larger of
+    T_compute = (matmul FLOPs + attention FLOPs) / measured bf16 matmul rate
+    T_memory  = (bytes that must be read) / measured memory bandwidth
+where the bytes are the weights once per forward pass (a decode step reads every weight once,
+whatever its batch) plus every KV-cache read (each decode token reads its whole context).
+
+Per token, a dense decoder with L layers, hidden h, q heads H, kv heads K, head dim d,
+ffn f and vocab V has
+    P_matmul = L * (h*(H*d + 2*K*d) + H*d*h + 3*h*f) + V*h      (weights that multiply it)
+    matmul FLOPs = 2 * P_matmul
+    attention FLOPs at context c = 4 * L * H * d * c             (QK^T and PV)
+    KV bytes per cached token = 2 * L * K * d * dtype_bytes
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Measured on this project's H200 (see BENCHMARKS.md): device copy (read + write) and an
+# 8192^3 bf16 matmul on random data.
+MEASURED_CEILINGS = {"H200": (4.25e12, 800e12)}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @staticmethod
+    def from_hf_config(cfg, dtype_bytes: int = 2) -> ModelShape:  # noqa: ANN001
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return ModelShape(
+            cfg.num_hidden_layers, cfg.hidden_size, heads,
+            getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
+            cfg.intermediate_size, cfg.vocab_size, dtype_bytes,
+        )  # fmt: skip
+
+    @property
+    def matmul_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        per_layer = h * (self.num_heads * d + 2 * self.num_kv_heads * d)
+        per_layer += self.num_heads * d * h + 3 * h * self.ffn
+        return self.num_layers * per_layer + self.vocab * h
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a forward pass must read: the matmul weights (the embedding rows read per
+        token and the norms are negligible)."""
+        return self.matmul_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def attention_flops(self, context: float) -> float:
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * context
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth: float  # bytes/s
+    matmul_flops: float  # FLOP/s
+    source: str
+
+    def time(self, flops: float, bytes_read: float) -> float:
+        return max(flops / self.matmul_flops, bytes_read / self.bandwidth)
+
+
+def device_ceilings(device: torch.device) -> Ceilings:
+    """The card's measured ceilings: from the table for known cards, else measured now."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (bw, flops) in MEASURED_CEILINGS.items():
+            if key in name:
+                return Ceilings(bw, flops, f"measured {key} (BENCHMARKS.md)")
+    return measure_ceilings(device)
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    """A device copy (bytes read + written) and a bf16 matmul, best of a few runs."""
+    n_copy, n_mm = (1 << 28, 8192) if device.type == "cuda" else (1 << 24, 1024)
+    src = torch.randn(n_copy // 4, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(n_mm, n_mm, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n_mm, n_mm, device=device, dtype=torch.bfloat16)
+    copy_s = _best_time(lambda: dst.copy_(src), device)
+    mm_s = _best_time(lambda: a @ b, device)
+    return Ceilings(2 * n_copy / copy_s, 2 * n_mm**3 / mm_s, f"measured now on {device}")
+
+
+def _best_time(fn, device: torch.device, repeats: int = 5) -> float:  # noqa: ANN001
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def decode_step_roofline(shape: ModelShape, batch: int, context: int, ceil: Ceilings) -> float:
+    """Seconds for one decode step of ``batch`` requests at ``context`` tokens each."""
+    flops = 2.0 * shape.matmul_params * batch + shape.attention_flops(context) * batch
+    bytes_read = shape.weight_bytes + batch * context * shape.kv_bytes_per_token
+    return ceil.time(flops, bytes_read)
+
+
+def throughput_roofline(
+    shape: ModelShape,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    max_batch: int,
+    max_batched_tokens: int,
+    ceil: Ceilings,
+) -> float:
+    """Seconds for ``num_prompts`` requests of ``input_len`` in / ``output_len`` out, decoding
+    at most ``max_batch`` requests at once (the largest batch the KV cache allows)."""
+    n, i, o = num_prompts, input_len, output_len
+    decode_tokens_per_req = o - 1  # the first output token comes from the prefill pass
+    context_sum = decode_tokens_per_req * i + decode_tokens_per_req * (decode_tokens_per_req + 1) / 2
+    flops = 2.0 * shape.matmul_params * n * (i + decode_tokens_per_req)
+    flops += n * shape.attention_flops(i * (i + 1) / 2) + n * shape.attention_flops(context_sum)
+    decode_steps = math.ceil(n / max(1, max_batch)) * decode_tokens_per_req
+    prefill_passes = math.ceil(n * i / max(1, max_batched_tokens))
+    bytes_read = (decode_steps + prefill_passes) * shape.weight_bytes
+    bytes_read += n * (i + context_sum) * shape.kv_bytes_per_token  # prefill writes + decode reads
+    return ceil.time(flops, bytes_read)

@@ -1,0 +1,69 @@
+"""Offline throughput of many requests, against the roofline of the workload."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from pagedserve.entrypoints.bench.common import (
+    add_workload_args,
+    make_llm,
+    random_lengths,
+    random_prompts,
+    write_json,
+)
+from pagedserve.entrypoints.bench.roofline import ModelShape, device_ceilings, throughput_roofline
+from pagedserve.sampling_params import SamplingParams
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    add_workload_args(parser, input_len=1024, output_len=128)
+
+
+def main(args: argparse.Namespace) -> int:
+    llm = make_llm(args)
+    rng = np.random.default_rng(0)
+    in_lens = random_lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
+    out_lens = random_lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
+    prompts = random_prompts(rng, in_lens, llm.engine_core.vocab_size)
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature)
+        for n in out_lens
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(in_lens)
+
+    core, runner = llm.engine_core, llm.engine_core.model_runner
+    shape = ModelShape.from_hf_config(runner.hf_config, torch.finfo(runner.dtype).bits // 8)
+    ceil = device_ceilings(runner.device)
+    kv_tokens = core.num_blocks * core.config.cache.block_size
+    mean_in, mean_out = int(np.mean(in_lens)), int(np.mean(out_lens))
+    max_batch = min(core.config.scheduler.max_num_seqs, kv_tokens // (mean_in + mean_out))
+    floor = throughput_roofline(
+        shape, args.num_prompts, mean_in, mean_out, max_batch,
+        core.config.scheduler.max_num_batched_tokens, ceil,
+    )  # fmt: skip
+    roofline_tps = num_out / floor
+    result = {
+        "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "elapsed_s": elapsed,
+        "output_tok_per_s": num_out / elapsed, "total_tok_per_s": (num_in + num_out) / elapsed,
+        "requests_per_s": args.num_prompts / elapsed, "roofline_output_tok_per_s": roofline_tps,
+        "ratio_to_roofline": (num_out / elapsed) / roofline_tps, "max_batch_kv_allows": max_batch,
+        "num_kv_blocks": core.num_blocks, "ceilings": ceil.source, "device": str(runner.device),
+    }  # fmt: skip
+    print(
+        f"{args.num_prompts} prompts, {mean_in} in / {mean_out} out: {elapsed:.1f} s, "
+        f"{result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} total "
+        f"tok/s, {result['requests_per_s']:.2f} req/s; roofline {roofline_tps:.0f} output tok/s "
+        f"({ceil.source}, max batch {max_batch}): {result['ratio_to_roofline']:.2f} of roofline"
+    )
+    write_json(args.output_json, result)
+    return 0
