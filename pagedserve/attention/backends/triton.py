@@ -15,17 +15,17 @@ from pagedserve.kernels.kv_write import write_kv
 from pagedserve.kernels.paged_attention import paged_attention
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
-_MAX_SPLITS = 16
+_MAX_SPLITS = 32
 # Programs per streaming multiprocessor the split-KV path aims for.
-_PROGRAMS_PER_SM = 2
+_PROGRAMS_PER_SM = 4
 # Program count assumed where no CUDA device tells its SM count (interpreter runs).
 _DEFAULT_TARGET_PROGRAMS = 16
 
 
 def _default_target_programs() -> int:
     if torch.cuda.is_available():
-        sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        return _PROGRAMS_PER_SM * sm_count
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return _PROGRAMS_PER_SM * props.multi_processor_count
     return _DEFAULT_TARGET_PROGRAMS
 
 
@@ -37,7 +37,7 @@ def choose_num_splits(
     min_keys_per_split: int,
 ) -> int:
     """Segments per request for a decode batch: enough programs to fill the GPU, each with at
-    least ``min_keys_per_split`` keys of the longest context; a power of two, at most 16."""
+    least ``min_keys_per_split`` keys of the longest context; a power of two, at most 32."""
     by_occupancy = target_programs // max(1, num_reqs * num_kv_heads)
     by_length = max_seq_len // max(1, min_keys_per_split)
     wanted = min(_MAX_SPLITS, by_occupancy, by_length)

@@ -1,0 +1,178 @@
+"""Pieces shared by the paged-attention kernels: the key-tile loop with online softmax, and the
+host-side checks of the tensors every attention launch receives.
+
+Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` and exponentiated
+with ``exp2``; the running maximum ``m`` and sum ``l`` are kept in fp32, in that domain.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.kv_write import check_kv_cache
+
+LOG2_E = 1.4426950408889634
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # fp32 [BLOCK_M, HEAD_DIM_PAD]: running unnormalized output
+    m_i,  # fp32 [BLOCK_M]: running row maximum (log2 domain)
+    l_i,  # fp32 [BLOCK_M]: running row sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE
+    q_pos,  # int32 [BLOCK_M]
+    kc_head_ptr,  # key cache at this kv head: [num_blocks, block_size, ., head_dim]
+    vc_head_ptr,  # value cache at this kv head
+    block_table_row_ptr,  # int32 [max_num_blocks_per_req]
+    tile_start,
+    kv_end,
+    qk_scale,
+    stride_kc_block,
+    stride_kc_off,
+    stride_vc_block,
+    stride_vc_off,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile exists and every row sees it
+):
+    """One online-softmax step over keys ``[tile_start, tile_start + TILE_N)``."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    key_pos = tile_start + offs_n
+    key_mask = key_pos < kv_end
+    if MASKED:
+        block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_mask, other=0)
+    else:
+        block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE)
+    block = block.to(tl.int64)
+    k_row = block * stride_kc_block + (key_pos % BLOCK_SIZE) * stride_kc_off
+    v_row = block * stride_vc_block + (key_pos % BLOCK_SIZE) * stride_vc_off
+    if MASKED:
+        k_mask = d_mask[:, None] & key_mask[None, :]
+        v_mask = key_mask[:, None] & d_mask[None, :]
+    else:
+        k_mask = d_mask[:, None]
+        v_mask = d_mask[None, :]
+    # K^T tile [HEAD_DIM_PAD, TILE_N] and V tile [TILE_N, HEAD_DIM_PAD]
+    k = tl.load(kc_head_ptr + k_row[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
+    s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(key_mask[None, :] & (key_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(vc_head_ptr + v_row[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+    # p is rounded to the cache dtype, as the GPU multiplies it (a no-op cast there).
+    p = p.to(v.dtype).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attend_kv_range(
+    acc,  # fp32 [BLOCK_M, HEAD_DIM_PAD]: running unnormalized output
+    m_i,  # fp32 [BLOCK_M]: running row maximum (log2 domain)
+    l_i,  # fp32 [BLOCK_M]: running row sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE, zero on masked rows
+    q_pos,  # int32 [BLOCK_M]: position of each row; it sees keys at positions <= q_pos
+    min_q_pos,  # the smallest q_pos of a real row (>= kv_start)
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row_ptr,  # int32 [max_num_blocks_per_req]: this request's block ids
+    kv_head,
+    kv_start,  # first key position
+    kv_end,  # one past the last key position
+    qk_scale,  # softmax scale * log2(e)
+    stride_kc_block,
+    stride_kc_off,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_off,
+    stride_vc_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold keys ``[kv_start, kv_end)`` of one request and one kv head into (acc, m_i, l_i).
+
+    Tiles that lie wholly below ``min(kv_end, min_q_pos + 1)`` are seen by every row and run
+    without masks; the rest (the causal diagonal and the ragged end) are masked. Each key
+    position is looked up in the block table on its own, so TILE_N and the cache's block size
+    are independent. The first tile holds a key every row sees, so m_i is finite after it.
+    """
+    kc_head_ptr = key_cache_ptr + kv_head * stride_kc_head
+    vc_head_ptr = value_cache_ptr + kv_head * stride_vc_head
+    full_end = kv_start + (tl.minimum(kv_end, min_q_pos + 1) - kv_start) // TILE_N * TILE_N
+    for tile_start in range(kv_start, full_end, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+            tile_start, kv_end, qk_scale,
+            stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, False,
+        )  # fmt: skip
+    for tile_start in range(full_end, kv_end, TILE_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+            tile_start, kv_end, qk_scale,
+            stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, True,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+def dot_operand_dtype(tensor: torch.Tensor) -> tl.dtype:
+    """The dtype tl.dot multiplies in: the cache dtype on the GPU. CPU tensors only run under
+    the Triton interpreter, whose tl.dot multiplies the raw bit patterns of bf16 (it has no bf16
+    arithmetic), so there bf16 operands are widened to fp32 first; bf16 -> fp32 is exact."""
+    if tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16:
+        return tl.float32
+    return _TL_DTYPES[tensor.dtype]
+
+
+def dot_precision(dtype: tl.dtype) -> str:
+    """fp32 models get exact fp32 products (no TF32), so they match the torch reference."""
+    return "ieee" if dtype == tl.float32 else "tf32"
+
+
+def check_attention_args(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    block_table: torch.Tensor,  # int32 [num_reqs, max_num_blocks_per_req]
+) -> None:
+    """Raise ValueError naming the tensor whose shape, dtype or layout the kernels cannot take."""
+    check_kv_cache(kv_cache)
+    if query.dim() != 3 or query.shape[2] != kv_cache.shape[4]:
+        raise ValueError(
+            f"query: expected [num_tokens, num_heads, {kv_cache.shape[4]}], "
+            f"got {tuple(query.shape)}"
+        )
+    if query.shape[1] % kv_cache.shape[3] != 0:
+        raise ValueError(
+            f"query: {query.shape[1]} heads is not a multiple of {kv_cache.shape[3]} kv heads"
+        )
+    if output.shape != query.shape:
+        raise ValueError(
+            f"output: shape {tuple(output.shape)} differs from query {tuple(query.shape)}"
+        )
+    if query.dtype not in _TL_DTYPES or kv_cache.dtype != query.dtype:
+        raise ValueError(
+            f"query/kv_cache: dtypes {query.dtype}/{kv_cache.dtype} (need one of fp32/bf16/fp16)"
+        )
+    if query.stride(2) != 1 or output.stride(2) != 1:
+        raise ValueError("query/output: the head_dim axis must be contiguous")
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table: expected contiguous int32 rows, got {block_table.dtype}")

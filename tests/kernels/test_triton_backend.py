@@ -1,0 +1,103 @@
+"""TritonBackend (write_kv + forward) against the dense reference and TorchRefBackend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch
+
+from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from pagedserve.attention.backends.triton import TritonBackend, choose_num_splits
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _run(backend, batch, kv_cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """write_kv then forward on ``kv_cache``; returns (output, cache)."""
+    backend.write_kv(batch.new_keys, batch.new_values, kv_cache, batch.metadata.slot_mapping)
+    output = torch.full_like(batch.query, SENTINEL)
+    backend.forward(batch.query, kv_cache, batch.metadata, scale, output)
+    return output, kv_cache
+
+
+def _check_against_oracles(backend: TritonBackend, batch, scale: float) -> None:
+    # Unowned cache entries hold NaN for the Triton kernels (reading one would show). The torch
+    # reference multiplies masked-out entries by a zero weight, so it gets finite filler.
+    output, kv_cache = _run(backend, batch, batch.kv_cache.clone(), scale)
+    ref_cache = batch.kv_cache.nan_to_num(SENTINEL)
+    ref_output, ref_cache = _run(TorchRefBackend(), batch, ref_cache, scale)
+    num_tokens = batch.metadata.num_actual_tokens
+    tol = TOLERANCE[batch.query.dtype]
+    assert torch.equal(kv_cache.nan_to_num(SENTINEL), ref_cache.nan_to_num(SENTINEL))
+    expected = dense_causal_attention(batch, scale)
+    torch.testing.assert_close(output[:num_tokens].float(), expected, **tol)
+    torch.testing.assert_close(output[:num_tokens], ref_output[:num_tokens], **tol)
+    assert (output[num_tokens:] == SENTINEL).all(), "padding rows were written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_batch_takes_the_split_kv_path(dtype: torch.dtype) -> None:
+    backend = TritonBackend(target_programs=64, min_keys_per_split=16)
+    batch = make_paged_batch([1, 1], [97, 200], 4, 1, 128, 8, dtype)
+    meta = batch.metadata
+    assert choose_num_splits(meta.num_reqs, 1, meta.max_seq_len, 64, 16) == 8
+    _check_against_oracles(backend, batch, 128**-0.5)
+
+
+def test_mixed_batch_runs_the_varlen_kernel() -> None:
+    backend = TritonBackend(target_programs=64, min_keys_per_split=16)
+    batch = make_paged_batch([1, 12, 5], [60, 4, 0], 8, 2, 64, 16, torch.float32)
+    _check_against_oracles(backend, batch, 0.125)
+
+
+@pytest.mark.parametrize(
+    "num_reqs,num_kv_heads,max_seq_len,expected",
+    [
+        (1, 8, 1024, 8),  # batch-1 decode: 264 // 8 = 33 by occupancy, 1024 // 128 = 8 by length
+        (1, 8, 100_000, 32),  # capped at 32 segments
+        (4, 8, 1024, 8),  # 264 // 32 = 8
+        (16, 8, 4096, 2),  # 264 // 128 = 2
+        (64, 8, 4096, 1),  # the batch alone fills the GPU
+        (1, 8, 200, 1),  # too short to split
+        (1, 8, 383, 2),  # 383 // 128 = 2 -> a power of two
+        (1, 4, 800, 4),  # 6 by length, rounded down to 4
+    ],
+)
+def test_choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, expected: int
+) -> None:
+    assert choose_num_splits(num_reqs, num_kv_heads, max_seq_len, 264, 128) == expected
+
+
+def test_forward_rejects_bad_inputs() -> None:
+    backend = TritonBackend(target_programs=16)
+    batch = make_paged_batch([2], [3], 4, 2, 64, 4, torch.float32)
+    out = torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match="query"):
+        backend.forward(batch.query[:, :3], batch.kv_cache, batch.metadata, 0.1, out[:, :3])
+    with pytest.raises(ValueError, match="dtype"):
+        backend.forward(batch.query.half(), batch.kv_cache, batch.metadata, 0.1, out.half())
+    batch.metadata.causal = False
+    with pytest.raises(ValueError, match="causal"):
+        backend.forward(batch.query, batch.kv_cache, batch.metadata, 0.1, out)
+    with pytest.raises(ValueError, match="min_keys_per_split"):
+        TritonBackend(target_programs=16, min_keys_per_split=0)
+
+
+@pytest.mark.parametrize("min_keys_per_split", [16, 10_000])  # split-KV path, varlen kernel
+def test_padded_requests_of_a_full_graph_write_nothing(min_keys_per_split: int) -> None:
+    """FULL-graph padding appends requests with no query row (query_start_loc repeats, seq_len
+    0); they must be skipped, leaving their rows and the padding rows untouched."""
+    backend = TritonBackend(target_programs=64, min_keys_per_split=min_keys_per_split)
+    batch = make_paged_batch([1, 1], [70, 33], 4, 2, 64, 8, torch.float32, num_padding=2)
+    meta = batch.metadata
+    meta.num_reqs = 4
+    padding_qsl = torch.tensor([2, 2], dtype=torch.int32)
+    meta.query_start_loc = torch.cat([meta.query_start_loc, padding_qsl])
+    meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32)])
+    meta.block_table = torch.cat([meta.block_table, meta.block_table])
+    output, _ = _run(backend, batch, batch.kv_cache.clone(), 0.125)
+    meta.num_reqs = 2  # the dense reference reads only the real requests
+    expected = dense_causal_attention(batch, 0.125)
+    torch.testing.assert_close(output[:2], expected, **TOLERANCE[torch.float32])
+    assert (output[2:] == SENTINEL).all()
