@@ -8,6 +8,7 @@ dimension (one trace for every batch size) against the eager model.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from tests.worker.conftest import (  # noqa: F401 (fixtures)
 from tests.worker.hand_plans import HandScheduler, hf_greedy, random_prompt, run_step
 
 BLOCK_SIZE = 4
+# Inductor compiles C++ on the CPU (about a minute here): only "eager" pieces run in CI;
+# PAGEDSERVE_TEST_INDUCTOR=1 adds the Inductor-compiled pieces.
+PIECE_COMPILERS = ["eager"] + (["inductor"] if os.environ.get("PAGEDSERVE_TEST_INDUCTOR") else [])
 
 
 def _compiled(runner: ModelRunner, piece_compiler: str) -> ModelRunner:
@@ -36,11 +40,12 @@ def _compiled(runner: ModelRunner, piece_compiler: str) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("piece_compiler", ["eager"])
+@pytest.mark.parametrize("piece_compiler", PIECE_COMPILERS)
 def test_compiled_runner_matches_hf_greedy(
     make_runner: RunnerFactory, hf_tiny_llama: LlamaForCausalLM, piece_compiler: str
 ) -> None:
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     runner = _compiled(make_runner(block_size=BLOCK_SIZE), piece_compiler)
     assert runner.compiled_forward is not None
     a, b = random_prompt(11, 1, TINY_LLAMA["vocab_size"]), random_prompt(7, 2, TINY_LLAMA["vocab_size"])
