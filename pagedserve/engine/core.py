@@ -1,0 +1,144 @@
+"""EngineCore: the step loop that joins the scheduler and the model runner.
+
+One ``step()`` is the seed tour's engine step: ``Scheduler.schedule()`` plans which tokens run,
+``ModelRunner.execute_model`` runs them, ``sample_tokens`` samples the next token of every
+request whose prompt is complete, and ``Scheduler.update_from_output`` appends the tokens,
+applies stop conditions and frees the blocks of finished requests.
+
+The core sees token ids only (no tokenizer, no text); the input and output processors live in
+the frontend (``LLM`` or the server), which may run in another process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.stats import SchedulerStats
+from pagedserve.model.loader import get_max_model_len
+from pagedserve.model.resolve import ResolvedModel, resolve_model
+from pagedserve.platform import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _timed(phase: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    logger.info("engine start-up: %s took %.2f s", phase, time.perf_counter() - start)
+
+
+def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
+    """Fill ``device`` and ``model.dtype`` with concrete values (``auto`` resolved once, here).
+
+    Cheap: reads no model file. Idempotent, so processes that call it agree.
+    """
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    model = dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch."))
+    return dataclasses.replace(config, model=model, device=str(device))
+
+
+def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedModel]:
+    """For frontends that want a bad model to fail before the engine starts: the model's files
+    and config, with ``device``, ``dtype`` and ``max_model_len`` filled in.
+
+    It reads the model's config (seconds for a GGUF file), so ``EngineCore`` does not call it:
+    the model runner reads that config once while loading.
+    """
+    resolved = resolve_model(config.model.model, config.model.load_format)
+    config = resolve_device_and_dtype(config)
+    max_model_len = get_max_model_len(config.model, resolved.hf_config)
+    model = dataclasses.replace(config.model, max_model_len=max_model_len)
+    return dataclasses.replace(config, model=model), resolved
+
+
+class EngineCore:
+    """Owns the model runner and the scheduler; advances every request by one step at a time.
+
+    Callers add ``Request`` objects (from the ``InputProcessor``), call ``step()`` while
+    ``has_unfinished_requests()``, and pass the returned outputs to the ``OutputProcessor``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.worker.model_runner import ModelRunner  # torch-heavy; import on use
+
+        start = time.perf_counter()
+        self.config = resolve_device_and_dtype(config)
+        self.model_runner = ModelRunner(self.config, resolve_device(self.config.device))
+        with _timed("load model"):
+            self.model_runner.load_model()
+        with _timed("size KV cache"):
+            num_blocks = self.model_runner.determine_num_blocks()
+            self.model_runner.initialize_kv_cache(num_blocks)
+        with _timed("capture CUDA graphs"):
+            self.model_runner.capture_graphs()  # a no-op on the CPU or with enforce_eager
+        self.num_blocks = num_blocks
+        model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
+        self.config = dataclasses.replace(self.config, model=model)
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
+        )
+        logger.info(
+            "engine ready in %.2f s: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
+            time.perf_counter() - start,
+            self.config.model.model,
+            self.config.device,
+            self.config.model.dtype,
+            self.max_model_len,
+            num_blocks,
+            self.config.cache.block_size,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length (``max_model_len``, else the model's position limit)."""
+        return int(self.model_runner.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_runner.hf_config.vocab_size)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Abort requests by id (unknown ids are ignored); their blocks return to the pool.
+        Returns one ``finish_reason="abort"`` output per aborted request."""
+        return self.scheduler.abort_requests(list(request_ids))
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[EngineCoreOutput]:
+        """Finish requests with ``status`` (e.g. FINISHED_STOPPED after a stop string)."""
+        return self.scheduler.finish_requests(list(request_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step; returns the outputs of the requests that advanced or finished."""
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        # Always applied, even with no tokens to run: it frees the slots of finished requests.
+        self.model_runner.execute_model(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            runner_output = ModelRunnerOutput.empty()
+        else:
+            runner_output = self.model_runner.sample_tokens()
+        return self.scheduler.update_from_output(scheduler_output, runner_output)

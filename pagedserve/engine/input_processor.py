@@ -1,0 +1,231 @@
+"""User input -> engine requests: validate sampling parameters, tokenize, apply the chat template.
+
+A prompt is a string, a list of token ids, or a dict like vLLM's ``TokensPrompt`` /
+``TextPrompt`` (``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``, optionally both).
+A request with ``n > 1`` becomes ``n`` child ``Request`` objects (ids ``f"{i}_{parent_id}"``)
+that the scheduler runs independently; their identical prompts share KV blocks through the
+prefix cache. The output processor folds them back into one ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.core.request import Request
+from pagedserve.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+ChatMessages = list[dict[str, Any]]
+
+
+@dataclass
+class ProcessedRequest:
+    """One user request, ready for the engine core (``requests``) and the output processor."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    """The resolved parameters of the request (``max_tokens`` filled, extra EOS ids added)."""
+    requests: list[Request]
+    """The ``n`` children, in completion-index order; ``n == 1``: one request with ``request_id``."""
+    arrival_time: float
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    return f"{index}_{parent_id}"
+
+
+def generation_config_eos_ids(model_path: Path) -> list[int]:
+    """EOS ids listed in a Hugging Face folder's ``generation_config.json`` (Llama 3 lists
+    several); empty when the file is absent (GGUF models)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+class InputProcessor:
+    """Turns prompts and ``SamplingParams`` into ``Request`` objects the engine core accepts.
+
+    ``eos_token_id`` is the model's primary EOS (the scheduler stops on it unless
+    ``ignore_eos``); ``extra_eos_token_ids`` (e.g. Llama 3's ``<|eot_id|>``) are added to each
+    request's ``stop_token_ids`` unless ``ignore_eos``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
+
+    @classmethod
+    def for_model(
+        cls, tokenizer: Any, model_path: Path, max_model_len: int, vocab_size: int
+    ) -> InputProcessor:
+        """EOS from the tokenizer, extra EOS ids from the folder's generation config.
+        ``tokenizer`` None (``skip_tokenizer_init``): token-id prompts only, no text."""
+        gen_eos = generation_config_eos_ids(model_path)
+        eos = None if tokenizer is None else tokenizer.eos_token_id
+        if eos is None and gen_eos:
+            eos = gen_eos[0]
+        return cls(tokenizer, max_model_len, vocab_size, eos, gen_eos)
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            return prompt, list(self._require_tokenizer("prompt").encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _require_tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: text needs a tokenizer, and the engine runs without one")
+        return self.tokenizer
+
+    def render_chat(
+        self, messages: ChatMessages, add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """Apply the chat template; returns a ``{"prompt", "prompt_token_ids"}`` prompt.
+
+        The template writes its own special tokens (BOS included), so the rendered text is
+        tokenized without adding any.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content'")
+        tokenizer = self._require_tokenizer("messages")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("messages: the model's tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": list(ids)}
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
+        for t in token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"{field}: token id {t} is outside the vocabulary (size {self.vocab_size})"
+                )
+
+    def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"prompt: the prompt has {num_prompt_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len} (it must leave room for at least one output token)"
+            )
+        if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise ValueError(
+                    f"min_tokens: {params.min_tokens} exceeds the {room} tokens left in the "
+                    f"context (max_model_len {self.max_model_len})"
+                )
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        return params.max_tokens
+
+    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """Validate ``params`` against the model; return a copy with ``max_tokens`` filled and
+        the model's extra EOS ids in ``stop_token_ids`` (the caller's object is not changed)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            )
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", list(params.logit_bias or {}))
+        if params.stop and not params.detokenize:
+            raise ValueError("stop: stop strings need detokenize=True")
+        if params.stop:
+            self._require_tokenizer("stop")
+        resolved = params.clone()
+        resolved.max_tokens = self._resolve_max_tokens(params, num_prompt_tokens)
+        if not params.ignore_eos:
+            extra = [t for t in self.extra_eos_token_ids if t not in resolved.stop_token_ids]
+            resolved.stop_token_ids = resolved.stop_token_ids + extra
+        return resolved
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """Validate and tokenize one request and fan it out into its ``n`` children.
+
+        Raises ``ValueError`` naming the field (prompt, max_tokens, stop_token_ids, ...).
+        """
+        text, prompt_token_ids = self.tokenize(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty (it has no tokens)")
+        self._check_token_ids("prompt_token_ids", prompt_token_ids)
+        resolved = self.resolve_params(params, len(prompt_token_ids))
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        requests = [
+            Request(
+                request_id if resolved.n == 1 else child_request_id(i, request_id),
+                prompt_token_ids,
+                self._child_params(resolved, i),
+                self.eos_token_id,
+                resolved.max_tokens,
+                arrival_time=arrival_time,
+                priority=priority,
+            )
+            for i in range(resolved.n)
+        ]
+        return ProcessedRequest(
+            request_id, text, prompt_token_ids, resolved, requests, arrival_time
+        )
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Each child samples one completion; a seeded request's child ``i`` uses ``seed + i``
+        so the ``n`` completions differ but are reproducible."""
+        if params.n == 1:
+            return params
+        child = params.clone()
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        return child

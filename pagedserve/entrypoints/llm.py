@@ -1,0 +1,220 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``, as in vLLM.
+
+``LLM`` is the synchronous frontend: an ``InputProcessor`` turns prompts into requests, the
+``EngineCore`` steps them in this process, and an ``OutputProcessor`` turns the core's token
+outputs into ``RequestOutput`` objects. Argument names and defaults follow vLLM's ``LLM``;
+the defaults themselves come from the config dataclasses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagedserve.core.request import RequestStatus
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.input_processor import (
+    ChatMessages,
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+)
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.model.resolve import locate
+from pagedserve.model.tokenizer import get_tokenizer
+from pagedserve.outputs import RequestOutput, RequestOutputKind
+from pagedserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Extra keyword arguments are any other ``EngineConfig`` field (``kv_cache_memory``,
+    ``enable_chunked_prefill``, ``device``, ...); an unknown name raises ``TypeError``.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        tokenizer: str | None = None,
+        dtype: str = ModelConfig.dtype,
+        seed: int = ModelConfig.seed,
+        max_model_len: int | None = None,
+        max_num_seqs: int = SchedulerConfig.max_num_seqs,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        block_size: int = CacheConfig.block_size,
+        enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+        num_gpu_blocks_override: int | None = None,
+        gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+        enforce_eager: bool = CompilationConfig.enforce_eager,
+        load_format: str = ModelConfig.load_format,
+        tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
+        skip_tokenizer_init: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        config = EngineConfig.from_kwargs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            load_format=load_format,
+            tensor_parallel_size=tensor_parallel_size,
+            **kwargs,
+        )
+        self.engine_core = EngineCore(config)
+        self.config = self.engine_core.config
+        # skip_tokenizer_init (vLLM's name): token-id prompts only, outputs without text.
+        self.tokenizer = None if skip_tokenizer_init else get_tokenizer(self.config.model)
+        self.input_processor = InputProcessor.for_model(
+            self.tokenizer,
+            locate(self.config.model.model)[0],
+            self.engine_core.max_model_len,
+            self.engine_core.vocab_size,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order.
+
+        ``prompts``: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or
+        a list of those. ``sampling_params``: one for all prompts or one per prompt.
+        Every prompt is validated before any runs (``ValueError`` naming the field).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        processed = [
+            self.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
+            for p, sp in zip(prompt_list, params_list, strict=True)
+        ]
+        for request in processed:
+            self._add(request, RequestOutputKind.FINAL_ONLY)
+        return self._run_to_completion([r.request_id for r in processed], use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
+        a list of conversations, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.input_processor.render_chat(list(c), add_generation_prompt) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding a DELTA ``RequestOutput`` (the new text and
+        tokens) after every step that produced some. Closing the iterator early aborts the
+        request."""
+        params = sampling_params or SamplingParams()
+        processed = self.input_processor.process_inputs(
+            str(next(self._request_counter)), prompt, params
+        )
+        self._add(processed, RequestOutputKind.DELTA)
+        try:
+            while self.output_processor.has_unfinished_requests():
+                yield from self._step()
+        finally:
+            child_ids = self.output_processor.abort_requests([processed.request_id])
+            self.engine_core.abort_requests(child_ids)
+
+    # -- the engine loop -----------------------------------------------------------------------
+
+    def _add(self, processed: ProcessedRequest, output_kind: RequestOutputKind) -> None:
+        self.output_processor.add_request(processed, output_kind)
+        for request in processed.requests:
+            self.engine_core.add_request(request)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; finishes in the core the requests a stop string ended."""
+        if not self.engine_core.has_unfinished_requests():
+            raise RuntimeError("engine: requests are waiting for output but the core has none")
+        result = self.output_processor.process_outputs(self.engine_core.step())
+        if result.reqs_to_finish:
+            self.engine_core.finish_requests(result.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
+        return result.request_outputs
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        num_output_tokens = 0
+        start = time.perf_counter()
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.output_processor.has_unfinished_requests():
+                for output in self._step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    bar.update(1)
+                    rate = num_output_tokens / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, (list, tuple))
+        and bool(prompt)
+        and all(isinstance(t, int) for t in prompt)
+    )
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]  # type: ignore[list-item]
+    prompt_list = list(prompts)  # type: ignore[arg-type]
+    if not prompt_list:
+        raise ValueError("prompts: no prompts given")
+    return prompt_list
+
+
+def _as_params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params_list = list(sampling_params)
+    if len(params_list) != num_prompts:
+        raise ValueError(
+            f"sampling_params: got {len(params_list)} SamplingParams for {num_prompts} prompts"
+        )
+    return params_list

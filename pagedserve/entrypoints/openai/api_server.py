@@ -1,0 +1,141 @@
+"""``pagedserve serve [MODEL]``: the OpenAI-compatible HTTP server.
+
+The ``pagedserve`` CLI (``entrypoints/cli.py``) calls ``add_cli_args(parser)`` to build the
+``serve`` options (every engine option from the config dataclasses, plus the server's own) and
+``main(args)`` to run. The API process loads the tokenizer; the engine core loads the model in
+its own process while the server already answers (``/health``: 503 until ready).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from pagedserve.config import ModelConfig
+from pagedserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own options (the engine's come from ``add_engine_args``)."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve (same as --model)",
+    )
+    group = parser.add_argument_group("server options")
+    group.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})"
+    )
+    group.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})"
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API routes "
+        "(/health, /metrics, /version stay open)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="seconds to let in-flight requests finish on SIGTERM / Ctrl-C "
+        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT})",
+    )
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_serve_args(parser)
+    add_engine_args(parser)
+
+
+def _model_from_args(args: argparse.Namespace) -> None:
+    """``serve MODEL`` and ``serve --model MODEL`` mean the same; both at once must agree."""
+    if args.model_tag is None:
+        return
+    if args.model not in (ModelConfig.model, args.model_tag):
+        raise ValueError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
+    args.model = args.model_tag
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus a way for the app to stop it when the engine cannot start."""
+
+    fatal_reason: str | None = None
+
+    def stop_fatally(self, reason: str) -> None:
+        self.fatal_reason = reason
+        self.should_exit = True
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT / SIGTERM; 1 if the engine failed to start."""
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.core import EngineCore, resolve_engine_config
+    from pagedserve.entrypoints.openai.app import ServerSettings, build_app
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+    from pagedserve.model.tokenizer import get_tokenizer
+
+    _model_from_args(args)
+    config = engine_config_from_args(args)
+    # The same resolution the engine process does (model files, max_model_len), checked here
+    # so a bad model path fails before the server starts.
+    _, resolved = resolve_engine_config(config)
+    tokenizer = get_tokenizer(config.model)
+    name = config.model.served_model_name or config.model.model
+    metrics = ServerMetrics(name)
+    engine = AsyncLLM(config, tokenizer, resolved.path, EngineCore, observer=metrics)
+
+    server: _Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        if server is not None:
+            server.stop_fatally(reason)
+
+    settings = ServerSettings(
+        served_model_names=[name],
+        model_root=config.model.model,
+        api_key=args.api_key,
+        on_fatal=on_fatal,
+    )
+    app = build_app(engine, metrics, settings)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=getattr(args, "log_level", "warning"),
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = _Server(uv_config)
+    # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at
+    # start: make that one a no-op so a SIGTERM-ed server exits 0 instead of dying of it.
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    print(
+        f"pagedserve: serving {name!r} on http://{args.host}:{args.port} "
+        "(the model is loading; GET /health answers 200 once it is ready)",
+        file=sys.stderr,
+    )
+    server.run()
+    if server.fatal_reason is not None:
+        print(
+            f"pagedserve serve: error: the engine failed to start: {server.fatal_reason}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,217 @@
+"""The FastAPI application: routes, API-key check, and the engine's start and stop.
+
+The app starts answering before the model is loaded: the engine process starts in the
+background (``/health`` says 503 until it is ready), and a failure to start it calls
+``on_fatal`` so the server exits instead of serving 503s forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+import pagedserve
+from pagedserve.engine.async_llm import AsyncLLM, EngineState
+from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedserve.entrypoints.openai.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_common import check_model, engine_errors
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.web import add_web_routes
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: list[str]
+    model_root: str
+    """The model path or name the engine loaded (``root`` in ``/v1/models``)."""
+    api_key: str | None = None
+    engine_shutdown_timeout: float = 5.0
+    on_fatal: Callable[[str], None] = field(default=lambda reason: None)
+    """Called when the engine fails to start: the server should exit."""
+
+
+_BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
+"""Module level: the dependency's annotation is resolved in this module's namespace."""
+
+
+def _auth_dependency(api_key: str) -> Callable:
+    async def check_api_key(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+    ) -> None:
+        if credentials is None or not secrets.compare_digest(
+            credentials.credentials.encode(), api_key.encode()
+        ):
+            raise OpenAIError(
+                HTTPStatus.UNAUTHORIZED,
+                "missing or invalid API key (send it as 'Authorization: Bearer KEY')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return check_api_key
+
+
+def _lifespan(engine: AsyncLLM, settings: ServerSettings) -> Callable:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def start() -> None:
+            try:
+                await engine.start()
+            except Exception as e:  # the engine process failed to load the model
+                logger.error("engine failed to start: %s", e)
+                settings.on_fatal(str(e))
+                return
+            logger.warning(
+                "engine ready: serving %s (max_model_len %d)",
+                settings.served_model_names[0],
+                engine.max_model_len,
+            )
+
+        starter = asyncio.create_task(start(), name="pagedserve-engine-start")
+        try:
+            yield
+        finally:
+            starter.cancel()
+            await engine.shutdown(settings.engine_shutdown_timeout)
+
+    return lifespan
+
+
+def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(
+        title="pagedserve",
+        version=pagedserve.__version__,
+        lifespan=_lifespan(engine, settings),
+        description="OpenAI-compatible API of the pagedserve engine.",
+    )
+    install_error_handlers(app)
+    add_web_routes(app)
+    app.include_router(_open_routes(engine, metrics))
+    auth = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
+    app.include_router(_api_routes(engine, settings), dependencies=auth, responses=_ERRORS)
+    return app
+
+
+def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
+    """Routes that never need the API key."""
+    router = APIRouter()
+
+    @router.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if engine.state is EngineState.READY:
+            return Response(status_code=HTTPStatus.OK)
+        code = "engine_starting" if engine.state is EngineState.STARTING else "engine_dead"
+        reason = engine.dead_reason or f"the engine is {engine.state.value}"
+        return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, reason, code=code).response()
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagedserve.__version__}
+
+    @router.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
+    router = APIRouter()
+    names = settings.served_model_names
+    completions = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names)
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        max_len = engine.max_model_len if engine.state is EngineState.READY else None
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=settings.model_root, max_model_len=max_len)
+                for name in names
+            ]
+        )
+
+    @router.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+        return await completions.create_completion(request, raw)
+
+    @router.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create_chat_completion(request, raw)
+
+    @router.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        check_model(request.model, names)
+        with engine_errors():
+            tokens = _tokenize(engine, request)
+        strs = engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strs
+        )
+
+    @router.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(request.model, names)
+        with engine_errors():
+            vocab_size = engine.vocab_size
+        bad = [t for t in request.tokens if t >= vocab_size]
+        if bad:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab_size})",
+                param="tokens",
+                code="invalid_value",
+            )
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+
+    return router
+
+
+def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
+    engine.check_ready()
+    if (request.prompt is None) == (request.messages is None):
+        raise ValueError("prompt: give exactly one of prompt and messages")
+    if request.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        return engine.render_chat(messages, request.add_generation_prompt)["prompt_token_ids"]
+    return list(
+        engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+    )

@@ -1,0 +1,80 @@
+"""Engine logprobs (one ``{token_id: Logprob}`` dict per position, the sampled token first)
+in the two OpenAI formats: the legacy completions lists and chat's ``content`` entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.entrypoints.openai.responses import CompletionLogprobs, TokenLogprob, TopLogprob
+from pagedserve.outputs import Logprob
+
+MIN_LOGPROB = -9999.0
+"""JSON has no -inf; a token the model rules out (e.g. through logit_bias) is reported as this."""
+
+Position = dict[int, Logprob] | None
+
+
+def _value(lp: Logprob) -> float:
+    return max(lp.logprob, MIN_LOGPROB)
+
+
+def _token_text(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def append_completion_logprobs(
+    out: CompletionLogprobs,
+    token_ids: list[int],
+    positions: list[Position],
+    tokenizer: Any,
+    text_offset: int,
+) -> int:
+    """Append one entry per token to the legacy lists; returns the text offset after them.
+
+    ``text_offset`` is where the first token's text starts in the choice's text. A position
+    of None (the prompt's first token) has no logprob.
+    """
+    for token_id, position in zip(token_ids, positions, strict=True):
+        sampled = None if position is None else position.get(token_id)
+        token = _token_text(token_id, sampled, tokenizer)
+        out.tokens.append(token)
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+        if position is None or sampled is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_value(sampled))
+        out.top_logprobs.append(
+            {_token_text(tid, lp, tokenizer): _value(lp) for tid, lp in position.items()}
+        )
+    return text_offset
+
+
+def _top_logprob(token_id: int, lp: Logprob, tokenizer: Any) -> TopLogprob:
+    token = _token_text(token_id, lp, tokenizer)
+    return TopLogprob(token=token, logprob=_value(lp), bytes=list(token.encode("utf-8")))
+
+
+def chat_logprobs(
+    token_ids: list[int], positions: list[Position], top_n: int, tokenizer: Any
+) -> list[TokenLogprob]:
+    """One chat ``content`` entry per sampled token, with the ``top_n`` most likely tokens.
+
+    The engine ranks the top tokens 1..N and gives the sampled token its true rank, so the
+    ``top_n`` alternatives are the entries ranked ``<= top_n``, in rank order.
+    """
+    entries = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        if position is None or token_id not in position:
+            continue
+        sampled = _top_logprob(token_id, position[token_id], tokenizer)
+        ranked = sorted(
+            ((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top_n),
+            key=lambda item: item[1].rank,
+        )
+        tops = [_top_logprob(tid, lp, tokenizer) for tid, lp in ranked]
+        entries.append(TokenLogprob(**sampled.model_dump(), top_logprobs=tops))
+    return entries

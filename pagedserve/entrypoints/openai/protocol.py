@@ -1,0 +1,220 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
+
+The field constraints mirror ``SamplingParams.validate`` so that a bad value is refused by
+pydantic with the field's name, and so that ``/openapi.json`` states what the server accepts.
+vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted on both APIs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pagedserve.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 64
+
+TokenId = Annotated[int, Field(ge=0)]
+StopField = Annotated[
+    str | list[str] | None,
+    Field(
+        description=f"Up to {MAX_STOP} strings; generation stops before (or, with "
+        "include_stop_str_in_output, after) the first one produced."
+    ),
+]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """Send a last chunk with ``usage`` and no choices before ``data: [DONE]``."""
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="Served model name; defaults to the only model.")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, description="Default 1.0; 0 is greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit."
+    )
+    stop: StopField = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras.
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return bias
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+PromptField = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: PromptField = Field(
+        ..., description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
+    max_tokens: int | None = Field(16, ge=1, description="null: up to the context length.")
+    echo: bool = Field(False, description="Return the prompt in front of the completion.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Top log-probabilities per token (legacy format)."
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: PromptField) -> PromptField:
+        if isinstance(prompt, str):
+            prompt_list: list = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt_list = [prompt]
+        else:
+            prompt_list = list(prompt)
+        if not prompt_list or any(len(p) == 0 for p in prompt_list):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: one entry per prompt (a string or token ids)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        # echo with logprobs also reports the prompt tokens' logprobs, as the legacy API does.
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(
+        None, ge=1, description="Deprecated alias of max_completion_tokens."
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="null: up to the context length."
+    )
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = Field(
+        False,
+        description="Prepend the last message's content when it is the "
+        "assistant's (vLLM's chat echo).",
+    )
+    add_generation_prompt: bool = True
+
+    def chat_dicts(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        return self._sampling_params(max_tokens, logprobs, None)
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,175 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template, one engine
+request with ``n`` completions.
+
+Streaming sends, per choice, a first chunk with the assistant role, then one chunk per new
+piece of text (and its logprobs), the finish reason on the last one, an optional usage chunk,
+and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.engine.async_llm import AsyncLLM, RequestStream
+from pagedserve.engine.input_processor import ProcessedRequest
+from pagedserve.entrypoints.openai.logprobs import chat_logprobs
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedserve.entrypoints.openai.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    now,
+    random_id,
+)
+from pagedserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    cancel_on_disconnect,
+    check_model,
+    close_all,
+    engine_errors,
+    last_output,
+    sse,
+    stream_error,
+    submit_all,
+)
+from pagedserve.outputs import CompletionOutput, RequestOutputKind
+
+
+class OpenAIServingChat:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw: Request
+    ) -> Response:
+        model = check_model(request.model, self.served_model_names)
+        request_id = random_id("chatcmpl")
+        with engine_errors():
+            params = request.to_sampling_params()
+            prompt = self.engine.render_chat(request.chat_dicts(), request.add_generation_prompt)
+            processed = self.engine.process_inputs(prompt, params, request_id)
+        if not request.stream:
+            return await cancel_on_disconnect(raw, self._full(request, model, processed))
+        with engine_errors():
+            streams = await submit_all(self.engine, [processed], RequestOutputKind.DELTA)
+        return StreamingResponse(
+            self._stream(request, model, request_id, streams[0]), media_type="text/event-stream"
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _echo_text(request: ChatCompletionRequest) -> str:
+        """vLLM's chat echo: the last message's content, when the assistant wrote it."""
+        last = request.messages[-1]
+        return last.text() if request.echo and last.role == "assistant" else ""
+
+    def _logprobs(
+        self, request: ChatCompletionRequest, completion: CompletionOutput
+    ) -> ChatLogprobs | None:
+        if not request.logprobs:
+            return None
+        content = chat_logprobs(
+            completion.token_ids,
+            completion.logprobs or [],
+            request.top_logprobs or 0,
+            self.engine.tokenizer,
+        )
+        return ChatLogprobs(content=content)
+
+    # -- non-streaming -------------------------------------------------------------------------
+
+    async def _full(
+        self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest
+    ) -> Response:
+        with engine_errors():
+            streams = await submit_all(self.engine, [processed], RequestOutputKind.FINAL_ONLY)
+            try:
+                final = await last_output(streams[0])
+            finally:
+                close_all(streams)
+        echo = self._echo_text(request)
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=echo + c.text),
+                logprobs=self._logprobs(request, c),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.outputs
+        ]
+        usage = UsageInfo.of(
+            len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
+        )
+        response = ChatCompletionResponse(
+            id=processed.request_id, model=model, choices=choices, usage=usage
+        )
+        return JSONResponse(response.model_dump())
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    async def _stream(
+        self, request: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream
+    ) -> AsyncIterator[str]:
+        created = now()
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            return sse(
+                ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
+            )
+
+        echo = self._echo_text(request)
+        prompt_tokens = 0
+        completion_tokens = 0
+        try:
+            for index in range(request.n):
+                yield chunk(
+                    ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+                )
+                if echo:
+                    yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echo)))
+            async for output in stream:
+                prompt_tokens = len(output.prompt_token_ids)
+                for c in output.outputs:
+                    completion_tokens += len(c.token_ids)
+                    logprobs = self._logprobs(request, c)
+                    if (
+                        not c.text
+                        and c.finish_reason is None
+                        and not (logprobs and logprobs.content)
+                    ):
+                        continue  # text held back until a character (or stop check) completes
+                    yield chunk(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=c.text or None),
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+            if request.include_usage:
+                yield sse(
+                    ChatCompletionChunk(
+                        id=request_id,
+                        created=created,
+                        model=model,
+                        choices=[],
+                        usage=UsageInfo.of(prompt_tokens, completion_tokens),
+                    )
+                )
+        except Exception as exc:
+            yield sse(stream_error(exc))
+        finally:
+            stream.close()
+        yield SSE_DONE

@@ -1,0 +1,228 @@
+"""``POST /v1/completions``: one engine request per prompt, ``n`` completions each.
+
+Choice ``i * n + j`` is completion ``j`` of prompt ``i``. Non-streaming requests wait for the
+final outputs (and are cancelled, their requests aborted, if the client goes away); streaming
+requests send one SSE chunk per new piece of text, then an optional usage chunk, then
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.engine.async_llm import AsyncLLM, RequestStream
+from pagedserve.engine.input_processor import ProcessedRequest
+from pagedserve.entrypoints.openai.logprobs import append_completion_logprobs
+from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+    now,
+    random_id,
+)
+from pagedserve.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    cancel_on_disconnect,
+    check_model,
+    close_all,
+    engine_errors,
+    last_output,
+    merge_streams,
+    sse,
+    stream_error,
+    submit_all,
+)
+from pagedserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+
+
+class OpenAIServingCompletion:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
+        model = check_model(request.model, self.served_model_names)
+        request_id = random_id("cmpl")
+        with engine_errors():
+            params = request.to_sampling_params()
+            processed = [
+                self.engine.process_inputs(prompt, params, f"{request_id}-{i}")
+                for i, prompt in enumerate(request.prompts())
+            ]
+        if not request.stream:
+            return await cancel_on_disconnect(
+                raw, self._full(request, model, request_id, processed)
+            )
+        with engine_errors():
+            streams = await submit_all(self.engine, processed, RequestOutputKind.DELTA)
+        return StreamingResponse(
+            self._stream(request, model, request_id, streams), media_type="text/event-stream"
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.engine.tokenizer.decode(output.prompt_token_ids)
+
+    def _echo_logprobs(
+        self, output: RequestOutput, prompt_text: str, logprobs: CompletionLogprobs
+    ) -> int:
+        """Prompt tokens' entries (echo with logprobs); returns the offset after the prompt."""
+        positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        append_completion_logprobs(
+            logprobs, output.prompt_token_ids, positions, self.engine.tokenizer, 0
+        )
+        return len(prompt_text)
+
+    def _choice(
+        self,
+        index: int,
+        completion: CompletionOutput,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+    ) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    # -- non-streaming -------------------------------------------------------------------------
+
+    async def _full(
+        self,
+        request: CompletionRequest,
+        model: str,
+        request_id: str,
+        processed: list[ProcessedRequest],
+    ) -> Response:
+        with engine_errors():
+            streams = await submit_all(self.engine, processed, RequestOutputKind.FINAL_ONLY)
+            try:
+                finals = await asyncio.gather(*(last_output(s) for s in streams))
+            finally:
+                close_all(streams)
+        choices: list[CompletionChoice] = []
+        prompt_tokens = completion_tokens = 0
+        for i, final in enumerate(finals):
+            prompt_tokens += len(final.prompt_token_ids)
+            for completion in final.outputs:
+                completion_tokens += len(completion.token_ids)
+                choices.append(
+                    self._full_choice(request, i * request.n + completion.index, final, completion)
+                )
+        response = CompletionResponse(
+            id=request_id,
+            model=model,
+            choices=choices,
+            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+        )
+        return JSONResponse(response.model_dump())
+
+    def _full_choice(
+        self,
+        request: CompletionRequest,
+        index: int,
+        final: RequestOutput,
+        completion: CompletionOutput,
+    ) -> CompletionChoice:
+        prompt_text = self._prompt_text(final) if request.echo else ""
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            offset = self._echo_logprobs(final, prompt_text, logprobs) if request.echo else 0
+            append_completion_logprobs(
+                logprobs,
+                completion.token_ids,
+                completion.logprobs or [],
+                self.engine.tokenizer,
+                offset,
+            )
+        return self._choice(index, completion, prompt_text + completion.text, logprobs)
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    async def _stream(
+        self, request: CompletionRequest, model: str, request_id: str, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
+        created = now()
+        state = _StreamState()
+        try:
+            async for i, output in merge_streams(streams):
+                state.prompt_tokens.setdefault(i, len(output.prompt_token_ids))
+                for completion in output.outputs:
+                    choice = self._chunk_choice(
+                        request, i * request.n + completion.index, output, completion, state
+                    )
+                    if choice is not None:
+                        yield sse(
+                            CompletionResponse(
+                                id=request_id, created=created, model=model, choices=[choice]
+                            )
+                        )
+            if request.include_usage:
+                usage = UsageInfo.of(
+                    sum(state.prompt_tokens.values()), sum(state.completion_tokens.values())
+                )
+                yield sse(
+                    CompletionResponse(
+                        id=request_id, created=created, model=model, choices=[], usage=usage
+                    )
+                )
+        except Exception as exc:
+            yield sse(stream_error(exc))
+        finally:
+            close_all(streams)
+        yield SSE_DONE
+
+    def _chunk_choice(
+        self,
+        request: CompletionRequest,
+        index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        state: _StreamState,
+    ) -> CompletionChoice | None:
+        state.completion_tokens[index] = state.completion_tokens.get(index, 0) + len(
+            completion.token_ids
+        )
+        text = completion.text
+        logprobs = CompletionLogprobs() if request.logprobs is not None else None
+        offset = state.text_offsets.get(index, 0)
+        if request.echo and index not in state.text_offsets:
+            prompt_text = self._prompt_text(output)
+            if logprobs is not None:
+                self._echo_logprobs(output, prompt_text, logprobs)
+            text = prompt_text + text
+            offset = len(prompt_text)
+        if logprobs is not None:
+            append_completion_logprobs(
+                logprobs,
+                completion.token_ids,
+                completion.logprobs or [],
+                self.engine.tokenizer,
+                offset,
+            )
+        state.text_offsets[index] = offset + len(completion.text)
+        if not text and completion.finish_reason is None and not (logprobs and logprobs.tokens):
+            return None  # nothing to show yet (text held back until a character completes)
+        return self._choice(index, completion, text, logprobs)
+
+
+class _StreamState:
+    """Per streaming request: counts for usage, and each choice's text length so far."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.text_offsets: dict[int, int] = {}

@@ -1,0 +1,117 @@
+"""InputProcessor: prompt forms, validation errors that name the field, n > 1 fan-out, EOS ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.engine.input_processor import InputProcessor, generation_config_eos_ids
+from pagedserve.sampling_params import SamplingParams
+from tests.engine.tiny_models import make_tokenizer
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def processor(tokenizer):
+    return InputProcessor(tokenizer, MAX_MODEL_LEN, len(tokenizer), tokenizer.eos_token_id, [5, 7])
+
+
+def test_prompt_forms(processor, tokenizer):
+    ids = tokenizer.encode("Hello world")
+    assert processor.tokenize("Hello world") == ("Hello world", ids)
+    assert processor.tokenize(ids) == (None, ids)
+    assert processor.tokenize({"prompt_token_ids": ids}) == (None, ids)
+    assert processor.tokenize({"prompt": "Hello world"}) == ("Hello world", ids)
+    with pytest.raises(ValueError, match="prompt"):
+        processor.tokenize({"text": "x"})
+    with pytest.raises(ValueError, match="prompt"):
+        processor.tokenize(3.5)
+
+
+def test_max_tokens_none_fills_the_context(processor):
+    processed = processor.process_inputs("r", [1, 2, 3], SamplingParams(max_tokens=None))
+    assert processed.sampling_params.max_tokens == MAX_MODEL_LEN - 3
+    assert processed.requests[0].max_tokens == MAX_MODEL_LEN - 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], SamplingParams(), "prompt"),
+        ("", SamplingParams(), "prompt"),
+        ([1] * MAX_MODEL_LEN, SamplingParams(), "prompt"),
+        ([1] * 60, SamplingParams(max_tokens=5), "max_tokens"),
+        ([1] * 60, SamplingParams(max_tokens=None, min_tokens=5), "min_tokens"),
+        ([1, 10_000], SamplingParams(), "prompt_token_ids"),
+        ([1], SamplingParams(stop_token_ids=[10_000]), "stop_token_ids"),
+        ([1], SamplingParams(logit_bias={10_000: 1.0}), "logit_bias"),
+        ([1], SamplingParams(stop=["x"], detokenize=False), "stop"),
+    ],
+)
+def test_bad_input_names_the_field(processor, prompt, params, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        processor.process_inputs("r", prompt, params)
+
+
+def test_prompt_plus_max_tokens_may_fill_the_context_exactly(processor):
+    processed = processor.process_inputs("r", [1] * 60, SamplingParams(max_tokens=4))
+    assert processed.requests[0].max_tokens == 4
+
+
+def test_n_fans_out_into_seeded_children(processor):
+    params = SamplingParams(n=3, seed=11, temperature=0.8)
+    processed = processor.process_inputs("req", "Hello", params)
+    assert [r.request_id for r in processed.requests] == ["0_req", "1_req", "2_req"]
+    assert [r.sampling_params.seed for r in processed.requests] == [11, 12, 13]
+    assert all(r.sampling_params.n == 1 for r in processed.requests)
+    assert all(r.prompt_token_ids == processed.prompt_token_ids for r in processed.requests)
+    assert params.seed == 11 and params.n == 3  # the caller's object is untouched
+    unseeded = processor.process_inputs("u", "Hello", SamplingParams(n=2))
+    assert [r.sampling_params.seed for r in unseeded.requests] == [None, None]
+
+
+def test_single_request_keeps_its_id(processor):
+    processed = processor.process_inputs("abc", "Hello", SamplingParams())
+    assert [r.request_id for r in processed.requests] == ["abc"]
+
+
+def test_extra_eos_ids_become_stop_token_ids(processor, tokenizer):
+    params = SamplingParams(stop_token_ids=[7, 9])
+    request = processor.process_inputs("r", "Hi", params).requests[0]
+    assert request.eos_token_id == tokenizer.eos_token_id
+    assert request.sampling_params.stop_token_ids == [7, 9, 5]
+    assert params.stop_token_ids == [7, 9]
+    ignoring = processor.process_inputs("r", "Hi", SamplingParams(ignore_eos=True)).requests[0]
+    assert ignoring.sampling_params.stop_token_ids == []
+
+
+def test_generation_config_eos(tmp_path, tokenizer):
+    assert generation_config_eos_ids(tmp_path) == []
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert generation_config_eos_ids(tmp_path) == [0, 2]
+    processor = InputProcessor.for_model(tokenizer, tmp_path, MAX_MODEL_LEN, len(tokenizer))
+    assert processor.eos_token_id == tokenizer.eos_token_id == 0
+    assert processor.extra_eos_token_ids == [2]
+
+
+def test_render_chat(processor, tokenizer):
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt = processor.render_chat(messages)
+    assert prompt["prompt"] == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt["prompt_token_ids"] == tokenizer.encode(
+        prompt["prompt"], add_special_tokens=False
+    )
+    assert not processor.render_chat(messages, add_generation_prompt=False)["prompt"].endswith(
+        "assistant\n"
+    )
+    with pytest.raises(ValueError, match=r"^messages\[0\]"):
+        processor.render_chat([{"content": "no role"}])
+    with pytest.raises(ValueError, match="^messages"):
+        processor.render_chat([])

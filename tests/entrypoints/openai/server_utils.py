@@ -1,0 +1,109 @@
+"""A real ``pagedserve serve`` process on 127.0.0.1, and reading its ``/metrics``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+API_KEY = "test-key"
+MAX_MODEL_LEN = 4096
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m pagedserve.entrypoints.cli serve MODEL ...`` as a child process."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.health_statuses: list[int] = []
+        """/health answers seen while waiting for the server (503 while the model loads)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedserve.entrypoints.cli",
+            "serve",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status = httpx.get(f"{self.url}/health", timeout=5).status_code
+                self.health_statuses.append(status)
+                if status == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def engine_pid(self) -> int:
+        """The engine-core process: the server's child running multiprocessing's spawn."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and b"spawn_main" in cmdline:
+                return int(stat.parent.name)
+        raise RuntimeError("engine process not found")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric_value(url: str, name: str) -> float:
+    """One sample of ``/metrics`` (the first series of the metric ``name``)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} not in /metrics:\n{text}")

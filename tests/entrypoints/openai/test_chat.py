@@ -1,0 +1,130 @@
+"""``/v1/chat/completions`` through the official ``openai`` client against a real server."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello there"},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+NO_EOS = {"ignore_eos": True}
+
+
+def _chat(client: openai.OpenAI, model: str, **kwargs):
+    kwargs.setdefault("max_completion_tokens", 8)
+    return client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0.0, extra_body=NO_EOS, **kwargs
+    )
+
+
+def test_chat_uses_the_template_and_counts_usage(
+    client: openai.OpenAI, server: ServerProcess, model_name: str
+) -> None:
+    response = _chat(client, model_name)
+    assert response.object == "chat.completion"
+    message = response.choices[0].message
+    assert message.role == "assistant" and response.choices[0].finish_reason == "length"
+    # The same prompt, rendered by /tokenize and sent as token ids, gives the same text.
+    r = httpx.post(
+        f"{server.url}/tokenize",
+        json={"messages": MESSAGES},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    ids = r.json()["tokens"]
+    assert r.json()["count"] == len(ids) == response.usage.prompt_tokens
+    completion = client.completions.create(
+        model=model_name, prompt=ids, max_tokens=8, temperature=0.0, extra_body=NO_EOS
+    )
+    assert message.content == completion.choices[0].text
+    assert response.usage.completion_tokens == 8
+    assert response.usage.total_tokens == len(ids) + 8
+
+
+def test_chat_streaming_matches_non_streaming(client: openai.OpenAI, model_name: str) -> None:
+    full = _chat(client, model_name, max_completion_tokens=10)
+    roles, content, finish, usage = [], "", None, None
+    for chunk in _chat(
+        client,
+        model_name,
+        max_completion_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert roles == ["assistant"]
+    assert content == full.choices[0].message.content
+    assert finish == "length"
+    assert usage is not None and usage.model_dump() == full.usage.model_dump()
+
+
+def test_chat_n2_logprobs(client: openai.OpenAI, model_name: str) -> None:
+    response = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=NO_EOS,
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.completion_tokens == 10
+    for choice in response.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == 5
+        for entry in entries:
+            assert entry.logprob <= 0.0
+            assert entry.bytes == list(entry.token.encode("utf-8"))
+            assert len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+            assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-4
+
+
+def test_chat_streaming_logprobs_and_n(client: openai.OpenAI, model_name: str) -> None:
+    counts = {0: 0, 1: 0}
+    for chunk in client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        n=2,
+        max_tokens=4,
+        temperature=0.0,
+        stream=True,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body=NO_EOS,
+    ):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                counts[choice.index] += len(choice.logprobs.content)
+    assert counts == {0: 4, 1: 4}
+
+
+def test_chat_echo_prepends_the_assistant_prefix(client: openai.OpenAI, model_name: str) -> None:
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi"}]
+    plain = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=3, temperature=0.0, extra_body=NO_EOS
+    )
+    echoed = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=3,
+        temperature=0.0,
+        extra_body={**NO_EOS, "echo": True},
+    )
+    assert echoed.choices[0].message.content == "Hi" + plain.choices[0].message.content

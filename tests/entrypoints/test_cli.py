@@ -1,0 +1,157 @@
+"""The ``pagedserve`` command: options generated from the configs, errors as one line, the
+default model naming Paris within 15 s, and the chat REPL."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.entrypoints import cli
+from pagedserve.entrypoints.cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    sampling_params_from_args,
+)
+from pagedserve.sampling_params import SamplingParams
+
+PAGEDSERVE = Path(sys.executable).parent / "pagedserve"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(PAGEDSERVE), *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = cli.CliParser(prog="test")
+    add_engine_args(parser)
+    add_sampling_args(parser)
+    return parser
+
+
+def test_option_defaults_come_from_the_dataclasses():
+    args = _parser().parse_args([])
+    assert engine_config_from_args(args) == EngineConfig()
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for f in dataclasses.fields(cls):
+            assert getattr(args, f.name) == f.default, f.name
+    params = sampling_params_from_args(args)
+    assert params.max_tokens == SamplingParams().max_tokens
+    assert params.temperature == SamplingParams().temperature
+
+
+def test_options_parse_into_configs():
+    args = _parser().parse_args(
+        [
+            "--max-num-seqs",
+            "4",
+            "--no-enable-prefix-caching",
+            "--cudagraph-capture-sizes",
+            "1",
+            "8",
+            "--load-format",
+            "dummy",
+            "--stop",
+            "a",
+            "bc",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+        ]
+    )
+    config = engine_config_from_args(args)
+    assert config.scheduler.max_num_seqs == 4 and not config.cache.enable_prefix_caching
+    assert config.compilation.cudagraph_capture_sizes == (1, 8)
+    assert config.model.load_format == "dummy"
+    params = sampling_params_from_args(args)
+    assert params.stop == ["a", "bc"] and params.ignore_eos and params.greedy
+
+
+def test_help_lists_the_commands():
+    text = cli.build_parser()[0].format_help()
+    for command in ("generate", "chat", "serve", "bench", "trace"):
+        assert command in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "hi", "--no-such-option"], "unrecognized arguments"),
+        (["generate", "hi", "--max-num-seqs", "many"], "invalid int value"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--block-size", "3"], "block_size"),
+        (["generate", "hi", "--load-format", "zip"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle):
+    result = _run(*argv)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", sorted(cli.PLUGIN_COMMANDS))
+def test_missing_plugin_command_is_one_line(command):
+    module = cli.PLUGIN_COMMANDS[command][0]
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} exists: the command is provided")
+    result = _run(command)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"pagedserve {command}: not available in this build (module {module} is missing)"
+    ]
+
+
+def test_generate_names_paris_within_15_seconds():
+    start = time.perf_counter()
+    result = _run(
+        "generate", "The capital of France is", "--max-tokens", "16", "--temperature", "0"
+    )
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert elapsed < 15.0, f"took {elapsed:.1f} s"
+
+
+class _RecordingLLM:
+    """Stands in for ``LLM`` in the REPL: records each prompt and replies with a fixed text."""
+
+    def __init__(self, input_processor):
+        self.input_processor = input_processor
+        self.prompts: list[str] = []
+
+    def stream(self, prompt, params):
+        from pagedserve.outputs import CompletionOutput, RequestOutput
+
+        self.prompts.append(prompt["prompt"])
+        reply = f"reply{len(self.prompts)}"
+        yield RequestOutput(
+            "r", prompt["prompt"], [], [CompletionOutput(0, reply, [1], None, None, "stop")], True
+        )
+
+
+def test_chat_repl_keeps_the_history(capsys):
+    from pagedserve.engine.input_processor import InputProcessor
+    from tests.engine.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    llm = _RecordingLLM(InputProcessor(tokenizer, 512, len(tokenizer), tokenizer.eos_token_id))
+    cli.run_chat(llm, SamplingParams(), stdin=io.StringIO("first\n\nsecond\n/exit\nnever\n"))
+    assert len(llm.prompts) == 2
+    assert "first" in llm.prompts[1] and "reply1" in llm.prompts[1] and "second" in llm.prompts[1]
+    assert capsys.readouterr().out == "reply1\nreply2\n"
