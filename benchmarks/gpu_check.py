@@ -15,6 +15,7 @@ next one still runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -46,11 +47,23 @@ def section(out: Path, name: str):  # noqa: ANN201
             except Exception as e:  # a failing section must not stop the others
                 traceback.print_exc()
                 log(out, name, error=f"{type(e).__name__}: {e}"[:500])
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             print(f"[{name}] took {time.perf_counter() - start:.1f} s", flush=True)
 
         return run
 
     return wrap
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PIECE_COMPILER = ["inductor"]  # becomes "eager" if Inductor fails on this machine
+
+
+def graph_sizes(llm) -> dict:  # noqa: ANN001
+    compiled = llm.engine_core.model_runner.compiled_forward
+    return {} if compiled is None else compiled.captured_sizes()
 
 
 def tiny_llama(path: Path) -> None:
@@ -87,18 +100,25 @@ def run_tiny(out: Path, work: Path) -> None:
     prompts = mixed_prompts(512, [700, 5, 37, 130, 260, 3, 64, 400])
     common = dict(model=str(model_dir), dtype="float32", skip_tokenizer_init=True,
                   max_num_batched_tokens=1024, max_num_seqs=16, gpu_memory_utilization=0.3)
-    fast = LLM(**common)
+    try:
+        fast = LLM(**common, piece_compiler=PIECE_COMPILER[0])
+    except Exception as e:  # fall back to uncompiled pieces, still captured as graphs
+        traceback.print_exc()
+        log(out, "tiny.inductor_failed", error=f"{type(e).__name__}: {e}"[:300])
+        PIECE_COMPILER[0] = "eager"
+        fast = LLM(**common, piece_compiler="eager")
     runner = fast.engine_core.model_runner
-    log(out, "tiny.captured", sizes=runner.compiled_forward.captured_sizes(),
+    log(out, "tiny.captured", sizes=graph_sizes(fast),
         piece_compiler=runner.config.compilation.piece_compiler)
     got = greedy(fast, prompts, 24)
     del fast
+    torch.cuda.empty_cache()
     eager = greedy(LLM(**common, enforce_eager=True), prompts, 24)
     cpu = greedy(LLM(**{**common, "device": "cpu"}, enforce_eager=True), prompts, 24)
-    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     hf_tokens = []
     for p in prompts:
-        ids = torch.tensor([p], device="cuda")
+        ids = torch.tensor([p], device=DEVICE)
         gen = hf.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
         hf_tokens.append(gen[0, len(p):].tolist())
     log(out, "tiny.greedy_equal",
@@ -116,10 +136,14 @@ def logprobs_close(a, b) -> tuple[bool, int]:  # noqa: ANN001
     return True, -1
 
 
+SHAPE = "llama-3-8b.json"
+BENCH_TIMEOUT_S = 240
+
+
 def llama8b_dir(work: Path) -> Path:
-    d = work / "llama3-8b"
+    d = work / SHAPE.removesuffix(".json")
     d.mkdir(exist_ok=True)
-    shutil.copy(CONFIGS / "llama-3-8b.json", d / "config.json")
+    shutil.copy(CONFIGS / SHAPE, d / "config.json")
     return d
 
 
@@ -127,7 +151,7 @@ def run_8b_logprobs(out: Path, work: Path) -> None:
     from pagedserve import LLM
 
     d = llama8b_dir(work)
-    prompts = mixed_prompts(128256, [600, 17, 130, 300, 1, 45, 1000, 250])
+    prompts = mixed_prompts(32000, [600, 17, 130, 300, 1, 45, 1000, 250])
     common = dict(model=str(d), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
                   max_num_seqs=64, gpu_memory_utilization=0.4, max_model_len=4096)
     start = time.perf_counter()
@@ -137,9 +161,9 @@ def run_8b_logprobs(out: Path, work: Path) -> None:
     del eager_llm
     torch.cuda.empty_cache()
     start = time.perf_counter()
-    fast_llm = LLM(**common)
+    fast_llm = LLM(**common, piece_compiler=PIECE_COMPILER[0])
     log(out, "8b.startup_graphs_s", seconds=round(time.perf_counter() - start, 1),
-        captured=fast_llm.engine_core.model_runner.compiled_forward.captured_sizes())
+        captured=graph_sizes(fast_llm))
     fast = greedy(fast_llm, prompts, 32)
     checks = [logprobs_close(a, b) for a, b in zip(fast, eager)]
     log(out, "8b.logprobs_close", all_ok=all(ok for ok, _ in checks),
@@ -151,9 +175,10 @@ def run_8b_logprobs(out: Path, work: Path) -> None:
 def run_bench(out: Path, work: Path, argv: list[str], name: str) -> None:
     d = llama8b_dir(work)
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", *argv, "--model", str(d),
-           "--load-format", "dummy", "--dtype", "bfloat16", "--output-json", str(out / f"{name}.json")]
+           "--load-format", "dummy", "--dtype", "bfloat16", "--output-json", str(out / f"{name}.json"),
+           "--piece-compiler", PIECE_COMPILER[0], "--gpu-memory-utilization", "0.6"]
     log(out, f"{name}.command", cmd="pagedserve " + " ".join(cmd[3:]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
     log(out, f"{name}.result", rc=proc.returncode, tail=proc.stdout.strip().splitlines()[-1:] )
 
@@ -162,11 +187,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--sections", default="tiny,8b,latency,throughput")
+    parser.add_argument("--shape", default=SHAPE, help="config file in benchmarks/model-configs")
+    parser.add_argument("--num-prompts", default="1000")
     args = parser.parse_args()
+    globals()["SHAPE"] = args.shape
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())
-    log(out, "device", name=torch.cuda.get_device_name(), torch=torch.__version__)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    log(out, "device", card=name, torch=torch.__version__)
     wanted = args.sections.split(",")
     if "tiny" in wanted:
         section(out, "tiny")(run_tiny)(out, work)
@@ -179,7 +208,7 @@ def main() -> None:
                             "--output-len", "128", "--temperature", "0"], f"latency_b{b}")
     if "throughput" in wanted:
         section(out, "throughput")(run_bench)(
-            out, work, ["throughput", "--num-prompts", "1000", "--input-len", "1024",
+            out, work, ["throughput", "--num-prompts", args.num_prompts, "--input-len", "1024",
                         "--output-len", "128", "--temperature", "0"], "throughput")
 
 
