@@ -33,12 +33,19 @@ class PiecewiseBackend:
         self.piece_compiler = piece_compiler
         self.graph_pool = graph_pool
         self.wrappers: list[CUDAGraphWrapper] = []
+        """Graph wrappers of the latest compile (a recompile makes a new set)."""
+        self.num_compiles = 0
         self.num_pieces = 0
         self.num_attention_pieces = 0
         self.compile_seconds = 0.0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
+        self.num_compiles += 1
+        if self.num_compiles > 1:
+            logger.warning("recompiling the model (compile %d): check dynamo's guards",
+                           self.num_compiles)
+        self.wrappers = []
         split_gm, pieces = split_graph(gm)
         compute = {p.name for p in pieces if not p.is_splitting_op}
         self.num_pieces = len(pieces)

@@ -12,6 +12,7 @@ sizes 0 and 1, no recompiles).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -21,12 +22,25 @@ from pagedserve.compilation.backend import PiecewiseBackend
 from pagedserve.compilation.cuda_graph import CUDAGraphWrapper, GraphPool
 
 
+def _own_forward(model: nn.Module) -> Any:
+    """``model.forward`` bound to a private copy of its code object.
+
+    Dynamo caches compiled code per code object: two models of one class in one process (two
+    engines, or an eager and a compiled one) would share a cache, so the second would recompile
+    into the first one's backend, or hit the recompile limit and run uncompiled. A private code
+    object gives every CompiledForward its own cache and its own backend."""
+    fn = type(model).forward
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{id(model):x}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, model)
+
+
 class CompiledForward:
     def __init__(self, model: nn.Module, piece_compiler: str, use_cuda_graphs: bool) -> None:
         self.model = model
         self.graph_pool = GraphPool() if use_cuda_graphs else None
         self.backend = PiecewiseBackend(piece_compiler, self.graph_pool)
-        self.compiled = torch.compile(model.forward, backend=self.backend, fullgraph=True)
+        self.compiled = torch.compile(_own_forward(model), backend=self.backend, fullgraph=True)
         self.full_graph: CUDAGraphWrapper | None = None
         if self.graph_pool is not None:
             self.full_graph = CUDAGraphWrapper(self.compiled, "FULL", self.graph_pool, "full")

@@ -63,3 +63,17 @@ def test_compiled_runner_matches_hf_greedy(
     assert backend.num_pieces == 2 * layers + 1
     # One trace served every batch size (13, 6 and 2 tokens padded to capture sizes).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_two_compiled_runners_keep_their_own_backends(make_runner: RunnerFactory) -> None:
+    """Dynamo caches per code object: each CompiledForward compiles into its own backend."""
+    torch._dynamo.reset()
+    first = _compiled(make_runner(block_size=BLOCK_SIZE), "eager")
+    second = _compiled(make_runner(block_size=BLOCK_SIZE), "eager")
+    sched_a, sched_b, outputs = HandScheduler(BLOCK_SIZE), HandScheduler(BLOCK_SIZE), {}
+    prompt = random_prompt(9, 3, TINY_LLAMA["vocab_size"])
+    run_step(first, sched_a.step(new=[("A", prompt, 9)]), outputs)
+    run_step(second, sched_b.step(new=[("B", prompt, 9)]), outputs)
+    assert outputs["A"] == outputs["B"]
+    for runner in (first, second):
+        assert runner.compiled_forward.backend.num_attention_pieces == TINY_LLAMA["num_hidden_layers"]
