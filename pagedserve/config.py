@@ -89,7 +89,10 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_waiting_requests: int | None = None
     """Bound on the waiting queue (the server answers 503 beyond it); None: unbounded."""
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
+    """Plan and launch step N+1 before waiting for step N's tokens (the GPU never idles while
+    the host schedules; the output is the same). None: on for GPUs, off on the CPU, whose
+    torch ops finish before the host goes on anyway."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")

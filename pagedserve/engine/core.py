@@ -14,19 +14,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput
+from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.model.loader import get_max_model_len
 from pagedserve.model.resolve import ResolvedModel, resolve_model
 from pagedserve.platform import resolve_device, resolve_dtype
 
+if TYPE_CHECKING:
+    from pagedserve.worker.async_output import AsyncOutput
+
 logger = logging.getLogger(__name__)
+_MAX_STEPS_IN_FLIGHT = 2
+"""Async scheduling: the step the device runs plus the one being planned and queued."""
 
 
 @contextmanager
@@ -37,14 +44,18 @@ def _timed(phase: str) -> Iterator[None]:
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
-    """Fill ``device`` and ``model.dtype`` with concrete values (``auto`` resolved once, here).
+    """Fill ``device``, ``model.dtype`` and ``scheduler.async_scheduling`` with concrete values
+    (``auto`` / None resolved once, here).
 
     Cheap: reads no model file. Idempotent, so processes that call it agree.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.model.dtype, device)
     model = dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch."))
-    return dataclasses.replace(config, model=model, device=str(device))
+    scheduler = config.scheduler
+    if scheduler.async_scheduling is None:
+        scheduler = dataclasses.replace(scheduler, async_scheduling=device.type == "cuda")
+    return dataclasses.replace(config, model=model, scheduler=scheduler, device=str(device))
 
 
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedModel]:
@@ -84,6 +95,9 @@ class EngineCore:
         self.num_blocks = num_blocks
         model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
         self.config = dataclasses.replace(self.config, model=model)
+        self._in_flight: deque[tuple[SchedulerOutput, AsyncOutput | None]] = deque()
+        """Steps launched and not yet completed, oldest first (at most one without async
+        scheduling)."""
         self.scheduler = Scheduler(
             self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
         )
@@ -122,7 +136,7 @@ class EngineCore:
         return self.scheduler.finish_requests(list(request_ids), status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -131,14 +145,30 @@ class EngineCore:
         return self.scheduler.get_stats()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one engine step; returns the outputs of the requests that advanced or finished."""
-        if not self.scheduler.has_unfinished_requests():
+        """Run one engine step; returns the outputs of the requests that advanced or finished.
+
+        With async scheduling the next step is planned and launched before the host waits for
+        the current one's tokens (the device reads them from ``last_sampled_tokens``), so the
+        GPU does not idle while the host schedules; each call still completes one step."""
+        if self.config.scheduler.async_scheduling:
+            while (
+                len(self._in_flight) < _MAX_STEPS_IN_FLIGHT
+                and self.scheduler.has_unfinished_requests()
+            ):
+                self._in_flight.append(self._launch())
+        elif self.scheduler.has_unfinished_requests():
+            self._in_flight.append(self._launch())
+        if not self._in_flight:
             return []
+        scheduler_output, pending = self._in_flight.popleft()
+        runner_output = ModelRunnerOutput.empty() if pending is None else pending.get_output()
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _launch(self) -> tuple[SchedulerOutput, AsyncOutput | None]:
+        """Schedule a step and queue its work on the device; nothing here waits for it."""
         scheduler_output = self.scheduler.schedule()
         # Always applied, even with no tokens to run: it frees the slots of finished requests.
         self.model_runner.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            runner_output = ModelRunnerOutput.empty()
-        else:
-            runner_output = self.model_runner.sample_tokens()
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return scheduler_output, None
+        return scheduler_output, self.model_runner.sample_tokens_async()

@@ -101,7 +101,9 @@ def build_trace(args: argparse.Namespace) -> dict[str, Any]:
     step = args.step if args.step is not None else (SEED_STEP if seed else 1)
     if step < 1:
         raise ValueError(f"step: must be >= 1, got {step}")
-    llm = LLM(**kwargs)
+    # One engine step at a time: with async scheduling a step() call would launch the next
+    # step before the traced one completes.
+    llm = LLM(**{**kwargs, "async_scheduling": False})
     arrivals = (seed_arrivals(llm.engine_core.vocab_size, args.seed) if seed
                 else prompt_arrivals(args.prompt))
     traced = run_to_step(llm, arrivals, params, step)

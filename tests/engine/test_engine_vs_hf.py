@@ -9,6 +9,7 @@ import random
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.engine.core import EngineCore
 from tests.engine.tiny_models import hf_greedy
 
 MAX_TOKENS = 8
@@ -72,4 +73,23 @@ def test_shared_prefixes_match_transformers(arch, checkpoints, hf_reference):
     prompts = shared_prefix_prompts(len(tokenizer))
     ours, stats = run_engine(folder, prompts, enable_prefix_caching=True)
     assert stats.prefix_cache_hits >= 7 * 192  # the 12 full prefix blocks, for 7 of 8 prompts
+    assert ours == hf_reference(arch, prompts)
+
+
+def test_async_scheduling_is_exact(arch, checkpoints, hf_reference, monkeypatch):
+    """Step N+1 planned and launched before step N's tokens reach the host: the same tokens,
+    under chunked prefill and preemption."""
+    depths: list[int] = []
+    launch = EngineCore._launch
+
+    def spy(self):  # noqa: ANN001, ANN202
+        depths.append(len(self._in_flight))
+        return launch(self)
+
+    monkeypatch.setattr(EngineCore, "_launch", spy)
+    folder, _, tokenizer = checkpoints(arch)
+    prompts = mixed_prompts(len(tokenizer))
+    ours, stats = run_engine(folder, prompts, async_scheduling=True)
+    assert max(depths) == 1, "no step was launched while another was in flight"
+    assert stats.num_preemptions > 0
     assert ours == hf_reference(arch, prompts)
