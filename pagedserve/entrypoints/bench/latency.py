@@ -37,9 +37,14 @@ def _timed_generate(llm, prompts, params) -> float:  # noqa: ANN001
 
 
 def main(args: argparse.Namespace) -> int:
+    run(make_llm(args), args)
+    return 0
+
+
+def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Time the decode step of ``args``' workload on an engine that is already up."""
     if args.output_len < 2:
         raise ValueError("output_len: needs at least 2 tokens to time a decode step")
-    llm = make_llm(args)
     rng = np.random.default_rng(0)
     prompts = random_prompts(rng, [args.input_len] * args.batch_size, llm.engine_core.vocab_size)
     full = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature)
@@ -68,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
         f"request latency {result['request_latency_s']:.3f} s"
     )
     write_json(args.output_json, result)
-    return 0
+    return result
 
 
 def _graph_sizes(runner) -> dict:  # noqa: ANN001

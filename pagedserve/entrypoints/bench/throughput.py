@@ -15,6 +15,7 @@ from pagedserve.entrypoints.bench.common import (
     random_prompts,
     write_json,
 )
+from pagedserve.entrypoints.bench.gpu_busy import GpuBusySampler
 from pagedserve.entrypoints.bench.roofline import ModelShape, device_ceilings, throughput_roofline
 from pagedserve.sampling_params import SamplingParams
 
@@ -25,7 +26,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    llm = make_llm(args)
+    run(make_llm(args), args)
+    return 0
+
+
+def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Run ``args``' workload on an engine that is already up; returns the figures."""
     rng = np.random.default_rng(0)
     in_lens = random_lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
     out_lens = random_lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
@@ -34,13 +40,18 @@ def main(args: argparse.Namespace) -> int:
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature)
         for n in out_lens
     ]
+    runner = llm.engine_core.model_runner
+    busy = GpuBusySampler(runner.device) if runner.device.type == "cuda" else None
+    def generate() -> list:
+        return llm.generate(prompts, params, use_tqdm=True)
+
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = busy.measure(generate) if busy is not None else generate()
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(in_lens)
 
-    core, runner = llm.engine_core, llm.engine_core.model_runner
+    core = llm.engine_core
     shape = ModelShape.from_hf_config(runner.hf_config, torch.finfo(runner.dtype).bits // 8)
     ceil = device_ceilings(runner.device)
     kv_tokens = core.num_blocks * core.config.cache.block_size
@@ -58,12 +69,14 @@ def main(args: argparse.Namespace) -> int:
         "requests_per_s": args.num_prompts / elapsed, "roofline_output_tok_per_s": roofline_tps,
         "ratio_to_roofline": (num_out / elapsed) / roofline_tps, "max_batch_kv_allows": max_batch,
         "num_kv_blocks": core.num_blocks, "ceilings": ceil.source, "device": str(runner.device),
+        "gpu_busy_fraction": None if busy is None else busy.busy_fraction,
     }  # fmt: skip
     print(
         f"{args.num_prompts} prompts, {mean_in} in / {mean_out} out: {elapsed:.1f} s, "
         f"{result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} total "
         f"tok/s, {result['requests_per_s']:.2f} req/s; roofline {roofline_tps:.0f} output tok/s "
         f"({ceil.source}, max batch {max_batch}): {result['ratio_to_roofline']:.2f} of roofline"
+        + ("" if busy is None else f"; GPU busy {busy.busy_fraction:.1%} (NVML, every 0.1 s)")
     )
     write_json(args.output_json, result)
-    return 0
+    return result
