@@ -100,10 +100,10 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x1, x2 = x.view(num_tokens, -1, self.head_dim).chunk(2, dim=-1)
+        # Split the last dimension only: the token count may be an unbacked compile-time size.
+        x1, x2 = x.unflatten(-1, (-1, self.head_dim)).chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.view(num_tokens, -1)
+        return rotated.flatten(-2)
 
 
 def get_rope(
