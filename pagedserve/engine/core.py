@@ -3,7 +3,9 @@
 One ``step()`` is the seed tour's engine step: ``Scheduler.schedule()`` plans which tokens run,
 ``ModelRunner.execute_model`` runs them, ``sample_tokens`` samples the next token of every
 request whose prompt is complete, and ``Scheduler.update_from_output`` appends the tokens,
-applies stop conditions and frees the blocks of finished requests.
+applies stop conditions and frees the blocks of finished requests. The runner calls go through
+an ``Executor`` (``distributed/``): the runner in this process (TP=1), or one per
+tensor-parallel rank in worker processes or Ray actors.
 
 The core sees token ids only (no tokenizer, no text); the input and output processors live in
 the frontend (``LLM`` or the server), which may run in another process.
@@ -17,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import Request, RequestStatus
@@ -29,7 +31,7 @@ from pagedserve.model.resolve import ResolvedModel, resolve_model
 from pagedserve.platform import resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
-    from pagedserve.worker.async_output import AsyncOutput
+    from pagedserve.distributed.executor import PendingOutput
 
 logger = logging.getLogger(__name__)
 _MAX_STEPS_IN_FLIGHT = 2
@@ -73,29 +75,31 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedM
 
 
 class EngineCore:
-    """Owns the model runner and the scheduler; advances every request by one step at a time.
+    """Owns the executor (the model runners) and the scheduler; advances every request by one
+    step at a time.
 
     Callers add ``Request`` objects (from the ``InputProcessor``), call ``step()`` while
     ``has_unfinished_requests()``, and pass the returned outputs to the ``OutputProcessor``.
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedserve.worker.model_runner import ModelRunner  # torch-heavy; import on use
+        from pagedserve.distributed.executor import create_executor  # torch-heavy; on use
 
         start = time.perf_counter()
         self.config = resolve_device_and_dtype(config)
-        self.model_runner = ModelRunner(self.config, resolve_device(self.config.device))
+        # uni / mp / ray, from config.parallel (tensor_parallel_size, distributed_executor_backend)
+        self.executor = create_executor(self.config)
         with _timed("load model"):
-            self.model_runner.load_model()
+            self.executor.load_model()
         with _timed("size KV cache"):
-            num_blocks = self.model_runner.determine_num_blocks()
-            self.model_runner.initialize_kv_cache(num_blocks)
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
         with _timed("capture CUDA graphs"):
-            self.model_runner.capture_graphs()  # a no-op on the CPU or with enforce_eager
+            self.executor.capture_graphs()  # a no-op on the CPU or with enforce_eager
         self.num_blocks = num_blocks
         model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
         self.config = dataclasses.replace(self.config, model=model)
-        self._in_flight: deque[tuple[SchedulerOutput, AsyncOutput | None]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput | None]] = deque()
         """Steps launched and not yet completed, oldest first (at most one without async
         scheduling)."""
         self.scheduler = Scheduler(
@@ -113,13 +117,22 @@ class EngineCore:
         )
 
     @property
+    def model_runner(self) -> Any:
+        """The in-process ``ModelRunner`` (TP=1 with the ``uni`` executor only)."""
+        return self.executor.model_runner
+
+    @property
     def max_model_len(self) -> int:
         """The context length (``max_model_len``, else the model's position limit)."""
-        return int(self.model_runner.max_model_len)
+        return int(self.executor.max_model_len)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model_runner.hf_config.vocab_size)
+        return int(self.executor.hf_config.vocab_size)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for TP=1 in process)."""
+        self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -164,11 +177,11 @@ class EngineCore:
         runner_output = ModelRunnerOutput.empty() if pending is None else pending.get_output()
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def _launch(self) -> tuple[SchedulerOutput, AsyncOutput | None]:
+    def _launch(self) -> tuple[SchedulerOutput, PendingOutput | None]:
         """Schedule a step and queue its work on the device; nothing here waits for it."""
         scheduler_output = self.scheduler.schedule()
         # Always applied, even with no tokens to run: it frees the slots of finished requests.
-        self.model_runner.execute_model(scheduler_output)
+        self.executor.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return scheduler_output, None
-        return scheduler_output, self.model_runner.sample_tokens_async()
+        return scheduler_output, self.executor.sample_tokens_async()

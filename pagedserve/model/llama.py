@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.layer import Attention
+from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import (
@@ -46,21 +47,33 @@ def num_kv_heads_of(hf_config: Any) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    """gate/up split by columns (each rank holds ``intermediate_size / tp`` of both), down by
+    rows: one all-reduce per MLP."""
+
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         if hf_config.hidden_act != "silu":
             raise ValueError(f"hidden_act: {hf_config.hidden_act!r} is not supported (only silu)")
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, dtype, device)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias, dtype, device, tp.rank, tp.size
+        )
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, hidden, bias, dtype, device)
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias, dtype, device, tp.rank, tp.size, tp.all_reduce
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
+    """Query heads split over the ranks (KV heads too, or replicated when there are fewer KV
+    heads than ranks); o_proj is row-parallel: one all-reduce per attention block."""
+
     def __init__(
         self,
         hf_config: Any,
@@ -68,6 +81,7 @@ class LlamaAttention(nn.Module):
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -75,9 +89,11 @@ class LlamaAttention(nn.Module):
         head_dim = head_dim_of(hf_config)
         qkv_bias, o_bias = self.projection_biases(hf_config)
         self.qkv_proj = QKVParallelLinear(
-            hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device
+            hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device, tp.rank, tp.size
         )
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, dtype, device)
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim, hidden, o_bias, dtype, device, tp.rank, tp.size, tp.all_reduce
+        )
         self.rotary_emb = rotary_emb
         self.head_dim = head_dim
         self.q_size = self.qkv_proj.q_size
@@ -119,11 +135,14 @@ class LlamaDecoderLayer(nn.Module):
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = attention_cls(hf_config, rotary_emb, f"{prefix}.self_attn", dtype, device)
-        self.mlp = LlamaMLP(hf_config, dtype, device)
+        self.self_attn = attention_cls(
+            hf_config, rotary_emb, f"{prefix}.self_attn", dtype, device, tp
+        )
+        self.mlp = LlamaMLP(hf_config, dtype, device, tp)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
@@ -149,10 +168,13 @@ class LlamaModel(nn.Module):
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hidden, dtype, device, tp.rank, tp.size, tp.all_reduce
+        )
         rope_parameters = rope_parameters_from_hf_config(hf_config)
         # One rotary module (one cos/sin cache) shared by every layer.
         rotary_emb = get_rope(
@@ -164,7 +186,7 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                hf_config, attention_cls, rotary_emb, f"{prefix}.layers.{i}", dtype, device
+                hf_config, attention_cls, rotary_emb, f"{prefix}.layers.{i}", dtype, device, tp
             )
             for i in range(hf_config.num_hidden_layers)
         )
@@ -180,20 +202,33 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The causal LM; with ``tp`` of several ranks, this rank's shard of it (each rank builds
+    its own, loads its slices of every weight and joins the others in the collectives)."""
+
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallelGroup = SINGLE_RANK,
+    ) -> None:
         super().__init__()
         self.config = hf_config
+        self.tp = tp
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, self.attention_cls, "model", dtype, device)
+        self.model = LlamaModel(hf_config, self.attention_cls, "model", dtype, device, tp)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(
-                hf_config.vocab_size, hf_config.hidden_size, dtype, device
-            )
-        self.logits_processor = LogitsProcessor(hf_config.vocab_size)
+                hf_config.vocab_size, hf_config.hidden_size, dtype, device,
+                tp.rank, tp.size, tp.all_reduce,
+            )  # fmt: skip
+        # Each rank's logits cover its vocabulary slice; all_gather joins them, and the
+        # processor cuts the padding off before anything samples.
+        self.logits_processor = LogitsProcessor(hf_config.vocab_size, tp.size, tp.all_gather)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids int [T], positions int64 [T] -> hidden_states [T, hidden]."""

@@ -3,6 +3,9 @@
 Checkpoints are streamed as ``(hf_name, tensor)`` pairs into ``model.load_weights``, which maps
 Hugging Face names onto the fused parameters (one tensor in memory at a time beyond the model).
 Every error names the file and the tensor it is about.
+
+Under tensor parallelism each rank builds its shard of the model and streams the whole
+checkpoint through it: every parameter's ``weight_loader`` keeps this rank's slice.
 """
 
 from __future__ import annotations
@@ -12,20 +15,19 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedserve.config import ModelConfig
+from pagedserve.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from pagedserve.model.checkpoint import WeightStream, iterate_weights
+from pagedserve.model.dummy_weights import load_dummy_weights
 from pagedserve.model.registry import get_model_class
 from pagedserve.model.resolve import CheckpointError, ResolvedModel, resolve_model
 
 __all__ = [
+    "check_tensor_parallel_size",
     "get_max_model_len",
-    "initialize_dummy_weights",
     "iterate_weights",
     "load_checkpoint",
     "load_model",
 ]
-
-DUMMY_STD = 0.02
-"""Standard deviation of dummy weights: the ``initializer_range`` of Llama-family configs."""
 
 
 def load_checkpoint(model: nn.Module, resolved: ResolvedModel) -> None:
@@ -39,20 +41,6 @@ def load_checkpoint(model: nn.Module, resolved: ResolvedModel) -> None:
         raise
     except ValueError as e:
         raise CheckpointError(f"{stream.source()}: {e}") from e
-
-
-@torch.no_grad()
-def initialize_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> None:
-    """Seeded random weights, generated in place on the parameters' device (fast for 8B on a
-    GPU). Norm weights are ones so activations keep their scale; all else ~ N(0, std)."""
-    generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
-        if param.dim() == 1 and "norm" in name.rsplit(".", 2)[-2]:
-            param.fill_(1.0)
-            continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-        param.normal_(0.0, std, generator=generators[param.device])
 
 
 def get_max_model_len(model_config: ModelConfig, hf_config: PretrainedConfig) -> int:
@@ -76,16 +64,47 @@ def _model_class(resolved: ResolvedModel) -> type[nn.Module]:
         raise CheckpointError(f"{resolved.config_source}: {e}") from e
 
 
+def check_tensor_parallel_size(hf_config: PretrainedConfig, tp_size: int, source: object) -> None:
+    """ValueError unless ``tp_size`` ranks can split the model evenly: query heads and the MLP
+    width divide; KV heads divide, or divide ``tp_size`` (then each is replicated)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    problems = [
+        f"num_attention_heads {heads}" if heads % tp_size else "",
+        f"intermediate_size {hf_config.intermediate_size}"
+        if hf_config.intermediate_size % tp_size else "",
+        f"num_key_value_heads {kv_heads}" if kv_heads % tp_size and tp_size % kv_heads else "",
+    ]  # fmt: skip
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size: {tp_size} does not split {source} evenly "
+            f"({', '.join(problems)})"
+        )
+
+
 def load_model(
-    model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Resolve ``model_config.model``, build its model class on ``device`` in ``dtype`` and load
-    its weights (or seeded dummy weights). Returns the model in eval mode and its HF config."""
+    its weights (or seeded dummy weights). Returns the model in eval mode and its HF config.
+
+    ``tp``: the tensor-parallel group whose shard to build; None: this process's group
+    (``get_tp_group()``; a single rank unless a worker joined a group at start-up).
+    """
+    tp = get_tp_group() if tp is None else tp
     resolved = resolve_model(model_config.model, model_config.load_format)
     get_max_model_len(model_config, resolved.hf_config)  # refuse a bad length before building
-    model = _model_class(resolved)(resolved.hf_config, dtype, device)
+    check_tensor_parallel_size(resolved.hf_config, tp.size, resolved.config_source)
+    model_class = _model_class(resolved)
+    model = model_class(resolved.hf_config, dtype, device, tp)
     if resolved.format == "dummy":
-        initialize_dummy_weights(model, model_config.seed)
+        # The single-rank model's shapes (on meta: no memory) give every rank the same values.
+        whole = model_class(resolved.hf_config, dtype, torch.device("meta"))
+        load_dummy_weights(model, whole, model_config.seed)
     else:
         load_checkpoint(model, resolved)
     return model.eval(), resolved.hf_config

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.model.llama import LlamaAttention, LlamaForCausalLM
@@ -22,6 +23,8 @@ class Qwen2Attention(LlamaAttention):
 
 
 class Qwen3Attention(LlamaAttention):
+    """q_norm / k_norm act on one head at a time, so every rank holds them whole."""
+
     def __init__(
         self,
         hf_config: Any,
@@ -29,19 +32,23 @@ class Qwen3Attention(LlamaAttention):
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
-        super().__init__(hf_config, rotary_emb, prefix, dtype, device)
+        super().__init__(hf_config, rotary_emb, prefix, dtype, device, tp)
         self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
 
     def normalize_qk(
         self, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, Hq * D], key [T, Hkv * D]: RMSNorm over each head's D values."""
-        num_tokens = query.shape[0]
-        q = self.q_norm(query.reshape(num_tokens, -1, self.head_dim))
-        k = self.k_norm(key.reshape(num_tokens, -1, self.head_dim))
-        return q.view(num_tokens, -1), k.view(num_tokens, -1)
+        """query [T, Hq * D], key [T, Hkv * D]: RMSNorm over each head's D values.
+
+        Shapes split the last dimension only (never divide by T): under torch.compile the
+        token count is an unbacked size, and a reshape that infers -1 from it cannot be
+        traced."""
+        q = self.q_norm(query.unflatten(-1, (-1, self.head_dim)))
+        k = self.k_norm(key.unflatten(-1, (-1, self.head_dim)))
+        return q.flatten(-2), k.flatten(-2)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

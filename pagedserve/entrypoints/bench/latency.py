@@ -55,7 +55,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
     t_first = [_timed_generate(llm, prompts, first) for _ in range(args.num_iters)]
     step = (float(np.median(t_full)) - float(np.median(t_first))) / (args.output_len - 1)
 
-    runner = llm.engine_core.model_runner
+    runner = llm.engine_core.executor  # hf_config, dtype, device for every TP backend
     shape = ModelShape.from_hf_config(runner.hf_config, torch.finfo(runner.dtype).bits // 8)
     ceil = device_ceilings(runner.device)
     context = args.input_len + args.output_len // 2
@@ -65,7 +65,8 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         "decode_step_ms": step * 1e3, "roofline_step_ms": floor * 1e3,
         "ratio_to_roofline": step / floor, "request_latency_s": float(np.median(t_full)),
         "output_tok_per_s": args.batch_size / step, "ceilings": ceil.source,
-        "device": str(runner.device), "cudagraph_modes": _graph_sizes(runner),
+        "device": str(runner.device),
+        "cudagraph_modes": _graph_sizes(getattr(runner, "model_runner", None)),
     }  # fmt: skip
     print(
         f"batch {args.batch_size}, context ~{context}: decode step {step * 1e3:.3f} ms, "
@@ -77,5 +78,6 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
 
 
 def _graph_sizes(runner) -> dict:  # noqa: ANN001
+    """Captured sizes of the in-process runner (None for other TP backends)."""
     compiled = getattr(runner, "compiled_forward", None)
     return compiled.captured_sizes() if compiled is not None else {}

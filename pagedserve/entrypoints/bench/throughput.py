@@ -40,7 +40,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature)
         for n in out_lens
     ]
-    runner = llm.engine_core.model_runner
+    runner = llm.engine_core.executor  # hf_config, dtype, device for every TP backend
     busy = GpuBusySampler(runner.device) if runner.device.type == "cuda" else None
     def generate() -> list:
         return llm.generate(prompts, params, use_tqdm=True)
