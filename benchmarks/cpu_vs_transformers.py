@@ -8,11 +8,16 @@ is not counted.
 
     python benchmarks/cpu_vs_transformers.py            # 64 prompts x 128 in, 128 out
     python benchmarks/cpu_vs_transformers.py --num-prompts 8 --output-len 16   # a quick look
+
+Both sides run with the same torch thread count (``--threads``; default: the engine's CPU
+policy, the cores other processes leave idle). The load average is printed before and after:
+on a shared machine, compare runs made under similar load.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 
 from pagedserve.model.resolve import default_model_file
-from pagedserve.platform import resolve_device, resolve_dtype
+from pagedserve.platform import cpu_thread_count, resolve_device, resolve_dtype, usable_cpu_cores
 
 KV_CACHE_BYTES = 1 << 30
 """Our KV budget: room for every request at once (64 x 256 tokens need ~380 MB in bf16)."""
@@ -36,7 +41,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default: auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--threads", type=int, default=0, help="torch threads for both sides (0: torch's default)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for both sides (0: the idle cores, as the engine's CPU policy)",
     )
     return p.parse_args()
 
@@ -93,19 +101,25 @@ def run_transformers(
     return timed(lambda: generate(prompts, output_len))
 
 
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    load_before = load_average()
+    threads = args.threads or cpu_thread_count(usable_cpu_cores(), os.getloadavg()[0])
     dtype = resolve_dtype(args.dtype, resolve_device("cpu"))
     dtype_name = str(dtype).removeprefix("torch.")
     from pagedserve.entrypoints.llm import LLM
 
+    torch.set_num_threads(threads)
     llm = LLM(dtype=dtype_name, kv_cache_memory=KV_CACHE_BYTES)
+    torch.set_num_threads(threads)  # again: the engine's start-up may choose its own
     prompts = make_prompts(args.num_prompts, args.input_len, llm.engine_core.vocab_size, args.seed)
     print(
         f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
-        f"greedy, EOS ignored, {dtype_name}, {torch.get_num_threads()} threads"
+        f"greedy, EOS ignored, {dtype_name}, {threads} threads; load average {load_before}"
     )
 
     ours_s, ours_tokens = run_pagedserve(llm, prompts, args.output_len)
@@ -118,6 +132,7 @@ def main() -> None:
     print(f"pagedserve   : {ours_s:7.1f} s  {ours_tps:8.1f} output tok/s")
     print(f"transformers : {hf_s:7.1f} s  {hf_tps:8.1f} output tok/s")
     print(f"ratio        : {ours_tps / hf_tps:.2f}x")
+    print(f"load average : {load_average()} (1/5/15 min, at the end)")
 
 
 if __name__ == "__main__":

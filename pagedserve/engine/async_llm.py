@@ -5,12 +5,15 @@ core in its own process (``EngineCoreClient``), and turns the core's per-step ou
 ``RequestOutput`` objects (``OutputProcessor``: detokenization, stop strings, ``n`` fan-in).
 One background task, the output loop, receives every step and routes each output to the
 stream of its request. A caller that stops iterating ``generate`` (a client that went away)
-has its request aborted in the core at once, so its KV blocks are freed.
+has its request aborted in the core at once, so its KV blocks are freed; so has a request
+past its ``timeout``, and on shutdown ``drain`` lets the in-flight requests finish for a while,
+then aborts the rest (see ``request_stream.py`` for the ways a request ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -27,25 +30,39 @@ from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.request_stream import (
+    EngineNotReadyError,
+    EngineOverloadedError,
+    RequestStream,
+    RequestTimeoutError,
+    ServerShuttingDownError,
+)
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+DRAIN_POLL_S = 0.05
+"""How often ``drain`` looks whether the in-flight requests have finished."""
+
+__all__ = [
+    "AsyncLLM",
+    "EngineNotReadyError",
+    "EngineOverloadedError",
+    "EngineState",
+    "RequestStream",
+    "RequestTimeoutError",
+    "ServerShuttingDownError",
+]
+
 
 class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
+    DRAINING = "draining"
+    """SIGTERM: no new requests; the in-flight ones finish (or are cut at the timeout)."""
     DEAD = "dead"
     STOPPED = "stopped"
-
-
-class EngineNotReadyError(RuntimeError):
-    """The engine process is still loading the model."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests wait for their first token than ``max_waiting_requests`` allows."""
 
 
 class StatsObserver(Protocol):
@@ -60,43 +77,6 @@ class StatsObserver(Protocol):
     def on_completion_finished(self, finish_reason: str) -> None: ...
 
     def on_request_finished(self, e2e: float) -> None: ...
-
-
-class RequestStream:
-    """One submitted request's outputs, in order; iterate it, and ``close()`` it when done.
-
-    Closing a stream whose request has not finished aborts the request in the engine core.
-    """
-
-    def __init__(self, engine: AsyncLLM, processed: ProcessedRequest) -> None:
-        self.engine = engine
-        self.request_id = processed.request_id
-        self.child_ids = [r.request_id for r in processed.requests]
-        self.arrival_time = processed.arrival_time
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.last_token_time: float | None = None
-        self.done = False
-        """The request finished, failed, or was closed: nothing more will be read."""
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        self.done = item.finished
-        return item
-
-    def close(self) -> None:
-        if self.done:
-            self.engine.forget(self.request_id)
-        else:
-            self.done = True
-            self.engine.abort_nowait(self.request_id)
 
 
 class AsyncLLM:
@@ -142,6 +122,29 @@ class AsyncLLM:
         self.state = EngineState.READY
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")
 
+    async def drain(self, timeout: float) -> int:
+        """Graceful shutdown's first half: refuse new requests (``ServerShuttingDownError``),
+        give the in-flight ones up to ``timeout`` s to finish, then end the rest with
+        ``ServerShuttingDownError`` and abort them in the core. Returns how many were cut."""
+        if self.state is EngineState.READY:
+            self.state = EngineState.DRAINING
+        deadline = time.monotonic() + timeout
+        # Polled, up to the deadline: the output loop drops each stream as it finishes.
+        while self._streams and self.state is EngineState.DRAINING and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        cut = list(self._streams.values())
+        error = ServerShuttingDownError(
+            f"the server is shutting down: the request did not finish within the shutdown "
+            f"timeout ({timeout:g} s) and was aborted"
+        )
+        for stream in cut:
+            stream.fail(error)
+            with contextlib.suppress(EngineDeadError):  # a dead core holds no blocks
+                await self.abort(stream.request_id)
+        if cut:
+            logger.warning("shutdown: %d request(s) cut after %g s", len(cut), timeout)
+        return len(cut)
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
@@ -164,9 +167,12 @@ class AsyncLLM:
         return self._ready_processor().vocab_size
 
     def check_ready(self) -> None:
-        """Raise ``EngineNotReadyError`` / ``EngineDeadError`` unless requests can be served."""
+        """Raise ``EngineNotReadyError`` / ``ServerShuttingDownError`` / ``EngineDeadError``
+        unless requests can be served."""
         if self.state is EngineState.STARTING:
             raise EngineNotReadyError("the engine is starting (loading the model)")
+        if self.state is EngineState.DRAINING:
+            raise ServerShuttingDownError("the server is shutting down; it takes no new request")
         if self.state is not EngineState.READY:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
 
@@ -195,12 +201,19 @@ class AsyncLLM:
         return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params)
 
     async def submit(
-        self, processed: ProcessedRequest, output_kind: RequestOutputKind = RequestOutputKind.DELTA
+        self,
+        processed: ProcessedRequest,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        timeout: float | None = None,
     ) -> RequestStream:
-        """Send a processed request to the engine core; its outputs arrive on the stream."""
+        """Send a processed request to the engine core; its outputs arrive on the stream.
+        With ``timeout`` (seconds from arrival), the stream aborts the request and raises
+        ``RequestTimeoutError`` once it runs past it."""
         self.check_ready()
         assert self._client is not None
-        stream = RequestStream(self, processed)
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout: must be positive, got {timeout}")
+        stream = RequestStream(self, processed, timeout)
         self.output_processor.add_request(processed, output_kind)
         self._streams[processed.request_id] = stream
         self._stream_of_child.update(dict.fromkeys(stream.child_ids, stream))
@@ -218,9 +231,11 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        timeout: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until it finishes; closing the generator early aborts it."""
-        stream = await self.submit(self.process_inputs(prompt, params, request_id), output_kind)
+        processed = self.process_inputs(prompt, params, request_id)
+        stream = await self.submit(processed, output_kind, timeout)
         try:
             async for output in stream:
                 yield output
@@ -326,4 +341,4 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.fail(error)

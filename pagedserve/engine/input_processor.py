@@ -221,11 +221,12 @@ class InputProcessor:
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         """Each child samples one completion; a seeded request's child ``i`` uses ``seed + i``
-        so the ``n`` completions differ but are reproducible."""
+        (wrapped into the valid range [0, 2**63)) so the ``n`` completions differ but are
+        reproducible."""
         if params.n == 1:
             return params
         child = params.clone()
         child.n = 1
         if params.seed is not None:
-            child.seed = params.seed + index
+            child.seed = (params.seed + index) % 2**63
         return child

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from pagedserve.model.gguf_file import GGUFFile, GGUFTensor
 
 
 @dataclass(frozen=True)
@@ -36,35 +37,39 @@ _REQUIRED = object()
 class GGUFMetadata:
     """Typed access to one GGUF file's key/value metadata; errors name the file and the key."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
-        self.reader = reader
-        self.path = path
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+        self.path = file.path
         self.arch_name: str = self.get("general.architecture")
         if self.arch_name not in GGUF_ARCHS:
             known = ", ".join(GGUF_ARCHS)
             raise ValueError(
-                f"{path}: GGUF architecture {self.arch_name!r} is not supported (supported: {known})"
+                f"{self.path}: GGUF architecture {self.arch_name!r} is not supported (supported: {known})"
             )
         self.arch = GGUF_ARCHS[self.arch_name]
 
     def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.file.metadata
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
-        """The value of ``key``; without a default, a missing key is an error."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        """The value of ``key`` (an array of strings as a ``StringArray``: its length only);
+        without a default, a missing key is an error."""
+        if key not in self.file.metadata:
             if default is _REQUIRED:
                 raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        return field.contents()
+        return self.file.metadata[key]
 
     def arch_get(self, key: str, default: Any = _REQUIRED) -> Any:
         """``{arch}.{key}``, e.g. ``llama.block_count``."""
         return self.get(f"{self.arch_name}.{key}", default)
 
+    @property
+    def tensors(self) -> list[GGUFTensor]:
+        return self.file.tensors
+
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self.reader.tensors}
+        return {t.name for t in self.file.tensors}
 
 
 def _check_supported_rope(meta: GGUFMetadata, head_dim: int) -> None:
@@ -87,7 +92,7 @@ def _check_supported_rope(meta: GGUFMetadata, head_dim: int) -> None:
 
 def _vocab_size(meta: GGUFMetadata) -> int:
     if meta.has("tokenizer.ggml.tokens"):
-        return len(meta.reader.fields["tokenizer.ggml.tokens"].data)
+        return len(meta.get("tokenizer.ggml.tokens"))
     return int(meta.arch_get("vocab_size"))
 
 
@@ -128,11 +133,8 @@ def hf_config_from_metadata(meta: GGUFMetadata) -> PretrainedConfig:
 
 
 def open_gguf(path: Path) -> GGUFMetadata:
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file: {e}") from e
-    return GGUFMetadata(reader, path)
+    """Parse ``path``'s header (tens of milliseconds; tensor data is only memory-mapped)."""
+    return GGUFMetadata(GGUFFile(path))
 
 
 def gguf_to_hf_config(path: Path) -> PretrainedConfig:

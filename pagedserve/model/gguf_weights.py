@@ -2,8 +2,8 @@
 un-permuted.
 
 GGUF writes a tensor's shape innermost-first (``ne[0]`` is a row's length), so a
-``[out, in]`` torch weight is listed as ``[in, out]``; ``gguf.GGUFReader`` already hands us the
-numpy (outermost-first) layout. Tensors are dequantized one at a time so peak memory stays at
+``[out, in]`` torch weight is listed as ``[in, out]``; ``GGUFFile`` already hands us the
+torch (outermost-first) shape. Tensors are dequantized one at a time so peak memory stays at
 one float32 tensor above the model itself.
 """
 
@@ -12,15 +12,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-import gguf
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QType
 
 from pagedserve.model.gguf_config import GGUFMetadata
+from pagedserve.model.gguf_dequant import SUPPORTED_TYPES, dequantize
 from pagedserve.model.resolve import CheckpointError
-
-SUPPORTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1})
 
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -57,7 +53,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's ``LlamaModel.permute`` on q/k rows (weight or bias, first dim).
 
     The converter regroups each head's rows from HF's half-split rotary layout (first half of
@@ -67,26 +63,19 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     """
     rows_per_half = weight.shape[0] // n_head // 2
     w = weight.reshape(n_head, rows_per_half, 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape)
+    return w.transpose(1, 2).reshape(weight.shape)
 
 
 def check_tensor_types(meta: GGUFMetadata) -> None:
     """Refuse the whole file up front if any tensor has a type we cannot dequantize."""
-    for tensor in meta.reader.tensors:
-        if tensor.tensor_type not in SUPPORTED_TYPES:
+    for tensor in meta.tensors:
+        if tensor.qtype not in SUPPORTED_TYPES:
             supported = ", ".join(t.name for t in sorted(SUPPORTED_TYPES))
             raise CheckpointError(
                 f"{meta.path}: tensor {tensor.name!r} ({hf_name(tensor.name)}) has GGUF type "
-                f"{tensor.tensor_type.name}, "
+                f"{tensor.qtype.name}, "
                 f"which is not supported (supported: {supported})"
             )
-
-
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
-    """float32 array in torch layout (outermost dim first)."""
-    shape = tuple(reversed([int(d) for d in tensor.shape]))
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    return array.astype(np.float32, copy=False)
 
 
 def _heads_for(meta: GGUFMetadata, name: str) -> int | None:
@@ -104,16 +93,14 @@ def _heads_for(meta: GGUFMetadata, name: str) -> int | None:
 def iterate_gguf_weights(meta: GGUFMetadata) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 CPU tensor) for every tensor of a GGUF file."""
     check_tensor_types(meta)
-    for tensor in meta.reader.tensors:
+    for tensor in meta.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise CheckpointError(
                 f"{meta.path}: tensor {tensor.name!r} has no Hugging Face counterpart we know"
             )
-        array = _dequantize(tensor)
+        weight = dequantize(tensor)  # float32, its own memory (never a view of the file)
         n_head = _heads_for(meta, tensor.name)
         if n_head is not None:
-            array = unpermute_qk(array, n_head)
-        if not array.flags.writeable:  # a view of the read-only memory map (F32 tensors)
-            array = array.copy()
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
+            weight = unpermute_qk(weight, n_head)
+        yield name, weight

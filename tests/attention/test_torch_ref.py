@@ -80,6 +80,7 @@ def _dense_reference(q: torch.Tensor, req: Req, scale: float, causal: bool) -> t
 
 SHAPES = {
     "decodes": [(9, 1), (1, 1), (17, 1)],
+    "equal_decodes": [(9, 1), (9, 1), (9, 1)],  # no mask: keys cut at seq_len, mid-block
     "prefills": [(5, 5), (12, 12)],
     "mixed": [(9, 1), (14, 6), (3, 3), (1, 1), (20, 4), (8, 2)],
 }
@@ -151,3 +152,52 @@ def test_host_copies_are_used_when_given() -> None:
     query, output = torch.randn(2, 2, HEAD_DIM), torch.empty(2, 2, HEAD_DIM)
     TorchRefBackend().forward(query, kv_cache, metadata, 0.5, output)
     torch.testing.assert_close(output, _dense_reference(query, reqs[0], 0.5, True).float())
+
+
+def _step(reqs: list[Req], kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype):
+    """Write every request's keys, then return (metadata, query) for its last query_len rows."""
+    backend = TorchRefBackend()
+    for r in reqs:
+        slots = torch.tensor(r.slots(range(r.seq_len)), dtype=torch.int64)
+        backend.write_kv(r.keys.to(dtype), r.values.to(dtype), kv_cache, slots)
+    metadata = _metadata(reqs, 0, True)
+    query = torch.randn(metadata.num_actual_tokens, num_heads, HEAD_DIM).to(dtype)
+    return metadata, query
+
+
+def _expected(reqs: list[Req], query: torch.Tensor, scale: float) -> torch.Tensor:
+    rows, start = [], 0
+    for r in reqs:
+        q = query[start : start + r.query_len].float()
+        keys = Req(r.seq_len, r.query_len, r.blocks, r.keys.to(query.dtype), r.values.to(query.dtype))
+        rows.append(_dense_reference(q, keys, scale, True).float())
+        start += r.query_len
+    return torch.cat(rows)
+
+
+def test_one_backend_serves_successive_steps() -> None:
+    """The batch plan is built once per metadata object: a later step (a new object with a
+    different layout) through the same backend must not reuse the earlier plan."""
+    rng = random.Random(7)
+    backend = TorchRefBackend()
+    kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)
+    for shapes in ([(9, 1), (14, 6), (5, 1)], [(17, 1), (3, 3)], [(9, 1), (14, 6), (5, 1)]):
+        reqs = _make_reqs(shapes, 2, rng)
+        metadata, query = _step(reqs, kv_cache, 4, torch.float32)
+        for _ in range(2):  # two layers of one step share the metadata
+            output = torch.empty_like(query)
+            backend.forward(query, kv_cache, metadata, 0.25, output)
+            torch.testing.assert_close(output, _expected(reqs, query, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
+def test_bf16_matches_the_dense_reference(num_heads: int, num_kv_heads: int) -> None:
+    """bf16 decodes (query heads as rows of their KV head) and prefills, within bf16 rounding."""
+    torch.manual_seed(3)
+    reqs = _make_reqs([(9, 1), (17, 1), (12, 12), (10, 3), (2, 1)], num_kv_heads, random.Random(3))
+    kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=torch.bfloat16)
+    metadata, query = _step(reqs, kv_cache, num_heads, torch.bfloat16)
+    output = torch.empty_like(query)
+    TorchRefBackend().forward(query, kv_cache, metadata, HEAD_DIM**-0.5, output)
+    expected = _expected(reqs, query, HEAD_DIM**-0.5)
+    torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)

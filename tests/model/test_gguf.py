@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from pagedserve.config import ModelConfig
 from pagedserve.model.checkpoint import iterate_weights
 from pagedserve.model.gguf_config import gguf_to_hf_config
+from pagedserve.model.gguf_file import GGUFFile, StringArray
 from pagedserve.model.loader import load_model
 from pagedserve.model.resolve import CheckpointError, resolve_model
 
@@ -208,3 +209,73 @@ def test_unsupported_gguf_architecture_names_file(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"phi\.gguf.*'phi2' is not supported"):
         resolve_model(str(path))
+
+
+def _write_metadata_sample(path: Path) -> None:
+    """Every GGUF value type, arrays of numbers, strings and arrays, and tensors of 3 types."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -100)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.5)
+    writer.add_uint64("t.u64", 2**60)
+    writer.add_int64("t.i64", -(2**60))
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "naïve ☃")
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.25, 1.5])
+    writer.add_array("t.strs", ["a", "", "ccc"])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    for name, qtype in (("a.weight", QType.F32), ("b.weight", QType.Q8_0), ("c.weight", QType.F16)):
+        value = rng.standard_normal((4, 64)).astype(np.float32)
+        writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_file_reads_what_gguf_reader_reads(tmp_path: Path) -> None:
+    path = tmp_path / "sample.gguf"
+    _write_metadata_sample(path)
+    ours = GGUFFile(path)
+    theirs = gguf.GGUFReader(path)
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+    assert list(ours.metadata) == keys
+    for key in keys:
+        expected = theirs.fields[key].contents()
+        if key == "t.strs":
+            assert ours.metadata[key] == StringArray(3)  # walked, not decoded
+        elif key == "t.nested":  # gguf's reader flattens nested arrays; we keep the nesting
+            assert ours.metadata[key] == [[1, 2], [3]]
+        elif isinstance(expected, float):
+            assert ours.metadata[key] == pytest.approx(expected, rel=1e-7), key
+        else:
+            assert ours.metadata[key] == expected, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.qtype == ref.tensor_type
+        assert mine.shape == tuple(reversed([int(d) for d in ref.shape]))
+        assert np.array_equal(mine.data, ref.data.reshape(-1).view(np.uint8)), mine.name
+
+
+def test_gguf_file_errors_name_the_file(tmp_path: Path) -> None:
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf file at all")
+    with pytest.raises(ValueError, match=r"weights\.gguf: not a GGUF file"):
+        GGUFFile(not_gguf)
+    sample = tmp_path / "sample.gguf"
+    _write_metadata_sample(sample)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(sample.read_bytes()[:200])  # cut inside the key/values
+    with pytest.raises(ValueError, match=r"truncated\.gguf: not a readable GGUF file"):
+        GGUFFile(truncated)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.gguf"):
+        GGUFFile(empty)

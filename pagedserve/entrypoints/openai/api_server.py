@@ -11,18 +11,25 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from pagedserve.config import ModelConfig
 from pagedserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
+from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+if TYPE_CHECKING:
+    from pagedserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+CONNECTION_CLOSE_TIMEOUT_S = 2.0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +56,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_positive_float,
         default=DEFAULT_SHUTDOWN_TIMEOUT,
-        help="seconds to let in-flight requests finish on SIGTERM / Ctrl-C "
+        help="on SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for this many "
+        "seconds, then end the rest with an error (a stream's last event) and exit 0 "
         f"(default: {DEFAULT_SHUTDOWN_TIMEOUT})",
     )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are answered 413 before they are parsed "
+        f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -75,13 +104,29 @@ def _ignore_signal(signum: int, frame: object) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, plus a way for the app to stop it when the engine cannot start."""
+    """uvicorn's server, plus a graceful shutdown that drains the engine first, and a way for
+    the app to stop it when the engine cannot start."""
 
-    fatal_reason: str | None = None
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.fatal_reason: str | None = None
 
     def stop_fatally(self, reason: str) -> None:
         self.fatal_reason = reason
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Stop accepting connections; let the in-flight requests finish within the drain
+        timeout, or end them with an error (streams get it as their last event); then uvicorn
+        closes the connections, whose responses have all ended, and the lifespan stops the
+        engine process."""
+        for server in self.servers:
+            server.close()
+        if not self.force_exit:
+            await self.engine.drain(self.drain_timeout)
+        await super().shutdown(sockets)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -112,6 +157,7 @@ def main(args: argparse.Namespace) -> int:
         served_model_names=[name],
         model_root=config.model.model,
         api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
         on_fatal=on_fatal,
     )
     app = build_app(engine, metrics, settings)
@@ -120,9 +166,10 @@ def main(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=getattr(args, "log_level", "warning"),
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # After the drain every response has ended: this only lets the last bytes out.
+        timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,
     )
-    server = _Server(uv_config)
+    server = _Server(uv_config, engine, args.shutdown_timeout)
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at
     # start: make that one a no-op so a SIGTERM-ed server exits 0 instead of dying of it.
     signal.signal(signal.SIGTERM, _ignore_signal)

@@ -22,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
+from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedserve.entrypoints.openai.protocol import (
@@ -46,7 +47,12 @@ from pagedserve.entrypoints.openai.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 503)}
+_HEALTH_CODES = {
+    EngineState.STARTING: "engine_starting",
+    EngineState.DRAINING: "server_shutting_down",
+}
+"""Error code of a 503 from /health, by engine state (otherwise engine_dead)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class ServerSettings:
     model_root: str
     """The model path or name the engine loaded (``root`` in ``/v1/models``)."""
     api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     engine_shutdown_timeout: float = 5.0
     on_fatal: Callable[[str], None] = field(default=lambda reason: None)
     """Called when the engine fails to start: the server should exit."""
@@ -115,6 +122,7 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings
         description="OpenAI-compatible API of the pagedserve engine.",
     )
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     add_web_routes(app)
     app.include_router(_open_routes(engine, metrics))
     auth = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
@@ -130,7 +138,7 @@ def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
     async def health() -> Response:
         if engine.state is EngineState.READY:
             return Response(status_code=HTTPStatus.OK)
-        code = "engine_starting" if engine.state is EngineState.STARTING else "engine_dead"
+        code = _HEALTH_CODES.get(engine.state, "engine_dead")
         reason = engine.dead_reason or f"the engine is {engine.state.value}"
         return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, reason, code=code).response()
 

@@ -25,6 +25,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -166,7 +167,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        err = OpenAIError(exc.status_code, message, headers=getattr(exc, "headers", None))
+        err = OpenAIError(
+            exc.status_code,
+            message,
+            code=getattr(exc, "openai_code", None),
+            headers=getattr(exc, "headers", None),
+        )
         return err.response()
 
     @app.exception_handler(ValueError)

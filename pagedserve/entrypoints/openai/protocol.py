@@ -35,7 +35,8 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Python's JSON parser accepts NaN and Infinity: refuse them in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, description="Served model name; defaults to the only model.")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -60,6 +61,13 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
+    # pagedserve's extra.
+    timeout: float | None = Field(
+        None,
+        gt=0.0,
+        description="Seconds from arrival (queueing included) after which the request is "
+        "aborted: 408 with code request_timeout, or that error as the last event of a stream.",
+    )
 
     @field_validator("stop")
     @classmethod

@@ -60,7 +60,9 @@ class OpenAIServingChat:
         if not request.stream:
             return await cancel_on_disconnect(raw, self._full(request, model, processed))
         with engine_errors():
-            streams = await submit_all(self.engine, [processed], RequestOutputKind.DELTA)
+            streams = await submit_all(
+                self.engine, [processed], RequestOutputKind.DELTA, request.timeout
+            )
         return StreamingResponse(
             self._stream(request, model, request_id, streams[0]), media_type="text/event-stream"
         )
@@ -92,7 +94,9 @@ class OpenAIServingChat:
         self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest
     ) -> Response:
         with engine_errors():
-            streams = await submit_all(self.engine, [processed], RequestOutputKind.FINAL_ONLY)
+            streams = await submit_all(
+                self.engine, [processed], RequestOutputKind.FINAL_ONLY, request.timeout
+            )
             try:
                 final = await last_output(streams[0])
             finally:

@@ -19,6 +19,8 @@ from pagedserve.engine.async_llm import (
     EngineNotReadyError,
     EngineOverloadedError,
     RequestStream,
+    RequestTimeoutError,
+    ServerShuttingDownError,
 )
 from pagedserve.engine.core_proc import EngineDeadError
 from pagedserve.engine.input_processor import ProcessedRequest
@@ -68,6 +70,12 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
             str(exc),
             code="server_overloaded",
             headers={"Retry-After": RETRY_AFTER_S},
+        )
+    if isinstance(exc, ServerShuttingDownError):
+        return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="server_shutting_down")
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(
+            HTTPStatus.REQUEST_TIMEOUT, str(exc), param="timeout", code="request_timeout"
         )
     if isinstance(exc, EngineDeadError):
         return OpenAIError(
@@ -173,13 +181,17 @@ def close_all(streams: list[RequestStream]) -> None:
 
 
 async def submit_all(
-    engine: AsyncLLM, processed: list[ProcessedRequest], output_kind: RequestOutputKind
+    engine: AsyncLLM,
+    processed: list[ProcessedRequest],
+    output_kind: RequestOutputKind,
+    timeout: float | None,
 ) -> list[RequestStream]:
-    """Submit processed requests; on a failure, abort the ones already submitted."""
+    """Submit processed requests (each with the client's ``timeout``, None: none); on a
+    failure, abort the ones already submitted."""
     streams: list[RequestStream] = []
     try:
         for item in processed:
-            streams.append(await engine.submit(item, output_kind))
+            streams.append(await engine.submit(item, output_kind, timeout))
     except BaseException:
         close_all(streams)
         raise

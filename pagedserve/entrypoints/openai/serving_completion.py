@@ -60,7 +60,9 @@ class OpenAIServingCompletion:
                 raw, self._full(request, model, request_id, processed)
             )
         with engine_errors():
-            streams = await submit_all(self.engine, processed, RequestOutputKind.DELTA)
+            streams = await submit_all(
+                self.engine, processed, RequestOutputKind.DELTA, request.timeout
+            )
         return StreamingResponse(
             self._stream(request, model, request_id, streams), media_type="text/event-stream"
         )
@@ -107,7 +109,9 @@ class OpenAIServingCompletion:
         processed: list[ProcessedRequest],
     ) -> Response:
         with engine_errors():
-            streams = await submit_all(self.engine, processed, RequestOutputKind.FINAL_ONLY)
+            streams = await submit_all(
+                self.engine, processed, RequestOutputKind.FINAL_ONLY, request.timeout
+            )
             try:
                 finals = await asyncio.gather(*(last_output(s) for s in streams))
             finally:

@@ -1,0 +1,54 @@
+"""GGUF tensor data -> float32 torch tensors, whole tensors at a time.
+
+The same arithmetic as ``gguf.quants`` (so results are bit-identical: fp32 ``d * q`` and, for
+Q4_1, a separate ``+ m``), but vectorised over the whole tensor in torch instead of numpy
+groups of 16 rows: ~10x faster on the default model's 135M weights.
+
+Block layouts (32 weights per block; ``d``, ``m``: float16 scale and minimum):
+  Q8_0: d, int8 q[32]                          w = d * q
+  Q4_0: d, uint8 qs[16] (low nibbles: 0..15)   w = d * (q - 8)
+  Q4_1: d, m, uint8 qs[16]                     w = d * q + m
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+
+from pagedserve.model.gguf_file import GGUFTensor
+
+SUPPORTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1})
+_FLOAT_TYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 16] packed pairs -> float32 [n, 32]: low nibbles first, then high ones."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """float32 [n, 1]: the float16 stored at bytes ``start, start + 1`` of every block."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _dequantize_blocks(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:
+    """uint8 [num_blocks, type_size] -> float32 [num_blocks, 32]."""
+    d = _half(blocks, 0)
+    if qtype == QType.Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    if qtype == QType.Q4_0:
+        return d * (_nibbles(blocks[:, 2:]) - 8.0)
+    return (d * _nibbles(blocks[:, 4:])).add_(_half(blocks, 2))  # Q4_1
+
+
+def dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """float32 tensor of ``tensor.shape`` (a new tensor, never a view of the file)."""
+    if tensor.qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"tensor {tensor.name!r}: GGUF type {tensor.qtype.name} is not supported")
+    # The memory map is read-only; torch wants writable memory, so take a private copy.
+    raw = torch.from_numpy(np.array(tensor.data, copy=True))  # uint8 [num_bytes]
+    if tensor.qtype in _FLOAT_TYPES:
+        return raw.view(_FLOAT_TYPES[tensor.qtype]).float().reshape(tensor.shape)
+    _, type_size = GGML_QUANT_SIZES[tensor.qtype]
+    return _dequantize_blocks(raw.view(-1, type_size), tensor.qtype).reshape(tensor.shape)

@@ -1,0 +1,45 @@
+"""The options of each server the reliability tests start, and the sizes tests derive from
+them."""
+
+from __future__ import annotations
+
+MAIN_MAX_MODEL_LEN = 64
+"""The shared server's context: short, so that any request the fuzzer makes is cheap."""
+PRESSURE_MAX_MODEL_LEN = 40
+PRESSURE_BLOCK_SIZE = 4
+PRESSURE_NUM_BLOCKS = 12
+"""11 usable blocks of 4 tokens (one is the null block): one request of 40 tokens fits."""
+LIFECYCLE_MAX_MODEL_LEN = 16384
+"""Long enough that a request outlives the lifecycle tests at any speed."""
+SHUTDOWN_TIMEOUT_S = 3.0
+
+TOKEN_BUDGET = ("--max-num-batched-tokens", "256")
+"""Each server's token budget per step: the model runner's input buffers are this long and the
+CPU path touches all of their rows every step, so a small budget keeps steps fast."""
+
+SERVER_ARGS: dict[str, tuple[str, ...]] = {
+    "main_server": ("--max-model-len", str(MAIN_MAX_MODEL_LEN), *TOKEN_BUDGET),
+    "pressure_server": (
+        *TOKEN_BUDGET,
+        "--max-model-len",
+        str(PRESSURE_MAX_MODEL_LEN),
+        "--block-size",
+        str(PRESSURE_BLOCK_SIZE),
+        "--num-gpu-blocks-override",
+        str(PRESSURE_NUM_BLOCKS),
+    ),
+    "lifecycle_server": (
+        *TOKEN_BUDGET,
+        "--max-model-len",
+        str(LIFECYCLE_MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "3",
+        "--max-waiting-requests",
+        "1",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+    ),
+    "faults_server": TOKEN_BUDGET,
+}
+"""Fixture name -> options (after the defaults of ``ServerProcess``: max_model_len
+``MAX_MODEL_LEN``, float32)."""

@@ -1,0 +1,108 @@
+"""Faults: the engine process SIGKILLed while streaming and non-streaming requests of both APIs
+run. Every one of them ends with an error within 5 s, ``/health`` turns 503, the API process
+keeps answering (new requests get 503 at once), and SIGTERM still ends it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+
+from tests.entrypoints.openai.server_utils import ServerProcess, metric_value
+from tests.reliability.reliability_utils import RUNNING, StreamResult, completion_body, stream_sse
+
+LONG = 3000
+"""Tokens of a request that runs far longer than the test."""
+DEADLINE_S = 5.0
+CHAT_PATH = "/v1/chat/completions"
+
+
+def _chat_body(model: str) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": LONG,
+        "ignore_eos": True,
+    }
+
+
+async def _in_flight(http: httpx.AsyncClient, url: str, model: str) -> dict[str, asyncio.Task]:
+    """Start the requests, and return once all of them run in the engine."""
+    body = completion_body(model, "Hello", LONG)
+    tasks = {
+        "stream 1": stream_sse(http, url, body),
+        "stream 2": stream_sse(http, url, {**body, "n": 2}),
+        "chat stream": stream_sse(http, url, _chat_body(model), path=CHAT_PATH),
+        "non-stream": http.post(f"{url}/v1/completions", json=body),
+        "chat non-stream": http.post(f"{url}{CHAT_PATH}", json=_chat_body(model)),
+    }
+    running = {name: asyncio.ensure_future(coro) for name, coro in tasks.items()}
+    deadline = time.monotonic() + 60
+    while metric_value(url, RUNNING) < len(tasks) + 1:  # n=2 runs as two requests
+        assert time.monotonic() < deadline, "the requests never all ran"
+        await asyncio.sleep(0.05)
+    return running
+
+
+def _check_ended_with_error(name: str, outcome: object) -> None:
+    if isinstance(outcome, StreamResult):
+        assert outcome.status == 200 and outcome.done, (name, outcome)
+        assert outcome.error is not None and outcome.error["code"] == "engine_dead", name
+        assert outcome.error["type"] == "service_unavailable_error"
+        return
+    assert isinstance(outcome, httpx.Response), (name, outcome)
+    assert outcome.status_code == 503, (name, outcome.text)
+    assert outcome.json()["error"]["code"] == "engine_dead"
+
+
+async def _kill_engine_mid_generation(server: ServerProcess, model: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=60) as http:
+        tasks = await _in_flight(http, server.url, model)
+        return await _kill_and_time(server, tasks)
+
+
+async def _kill_and_time(server: ServerProcess, tasks: dict[str, asyncio.Task]) -> dict[str, float]:
+    """SIGKILL the engine; seconds until each request ended (each with its error)."""
+    os.kill(server.engine_pid(), signal.SIGKILL)
+    killed_at = time.monotonic()
+    ended_after: dict[str, float] = {}
+
+    async def timed(name: str, task: asyncio.Task) -> None:
+        outcome = await task
+        ended_after[name] = time.monotonic() - killed_at
+        _check_ended_with_error(name, outcome)
+
+    await asyncio.wait_for(
+        asyncio.gather(*(timed(n, t) for n, t in tasks.items())), timeout=DEADLINE_S
+    )
+    return ended_after
+
+
+def test_engine_killed_mid_generation(
+    faults_server: ServerProcess, model_name: str, figures: dict
+) -> None:
+    url = faults_server.url
+    ended_after = asyncio.run(_kill_engine_mid_generation(faults_server, model_name))
+    assert max(ended_after.values()) < DEADLINE_S
+
+    health = httpx.get(f"{url}/health", timeout=5)
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    start = time.monotonic()
+    late = httpx.post(f"{url}/v1/completions", json=completion_body(model_name, "Hi", 2), timeout=5)
+    refused_in = time.monotonic() - start
+    assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    assert refused_in < 1.0
+    assert httpx.get(f"{url}/version", timeout=5).status_code == 200
+    assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
+
+    start = time.monotonic()
+    assert faults_server.stop(timeout=20) == 0, faults_server.log()
+    stopped_in = time.monotonic() - start
+    figures["faults: engine SIGKILLed with requests in flight"] = (
+        f"{len(ended_after)} requests ended with engine_dead within "
+        f"{max(ended_after.values()):.2f} s; /health 503; a new request refused in "
+        f"{refused_in * 1000:.0f} ms; SIGTERM then exited 0 in {stopped_in:.1f} s"
+    )
