@@ -18,7 +18,7 @@ from pagedserve.entrypoints.bench.serve_metrics import parse_percentiles, summar
 from pagedserve.entrypoints.bench.serve_run import arrival_gaps
 from tests.entrypoints.openai.server_utils import REPO_ROOT, ServerProcess
 
-NUM_PROMPTS = 12
+NUM_PROMPTS = 8
 INPUT_LEN = 6
 OUTPUT_LEN = 5
 
@@ -50,7 +50,7 @@ def test_bench_serve_writes_json_and_png(
         assert f"p90_{name}_ms" in result
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    figures["bench serve (completions, 12 prompts, rate 40/s)"] = (
+    figures[f"bench serve (completions, {NUM_PROMPTS} prompts, rate 40/s)"] = (
         f"{result['output_throughput']:.0f} output tok/s, median TTFT "
         f"{result['median_ttft_ms']:.0f} ms, median TPOT {result['median_tpot_ms']:.0f} ms"
     )

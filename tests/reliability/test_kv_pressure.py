@@ -1,4 +1,4 @@
-"""KV pressure: a pool of 11 usable blocks of 4 tokens, and requests of up to 27 tokens (7
+"""KV pressure: a pool of 11 usable blocks of 4 tokens, and requests of up to 31 tokens (8
 blocks) sent together, so they preempt each other again and again. Every output still equals
 the one its prompt gets alone (where nothing is preempted), the preemption counter shows the
 pressure, and no block stays in use afterwards."""
@@ -6,6 +6,7 @@ pressure, and no block stays in use afterwards."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -19,8 +20,8 @@ from tests.reliability.reliability_utils import (
 )
 from tests.reliability.server_configs import PRESSURE_BLOCK_SIZE, PRESSURE_NUM_BLOCKS
 
-NUM_REQUESTS = 8
-MAX_TOKENS = 20
+NUM_REQUESTS = 10
+MAX_TOKENS = 24
 MIN_PREEMPTIONS = NUM_REQUESTS
 """One request fits at a time: each of the others is preempted as it grows, again and again."""
 WORDS = ["quick", "brown", "fox", "lazy", "dog", "Paris", "Berlin", "capital"]
@@ -53,15 +54,20 @@ def test_outputs_under_preemption_equal_unpressured(
 ) -> None:
     url = pressure_server.url
     prompts = _prompts()
+    start = time.monotonic()
     expected = greedy_alone(url, model_name, prompts, MAX_TOKENS)
+    alone_s = time.monotonic() - start
     alone_preemptions = metric_value(url, PREEMPTIONS)
     assert alone_preemptions == 0, "a request alone must fit the pool"
 
+    start = time.monotonic()
     assert asyncio.run(_all_at_once(url, model_name, prompts)) == expected
+    together_s = time.monotonic() - start
     preemptions = metric_value(url, PREEMPTIONS) - alone_preemptions
     wait_idle(url, timeout=10.0)
     figures["KV pressure: requests / preemptions / outputs equal to unpressured"] = (
         f"{NUM_REQUESTS} / {preemptions:.0f} / {NUM_REQUESTS} (pool of "
-        f"{PRESSURE_NUM_BLOCKS - 1} blocks x {PRESSURE_BLOCK_SIZE} tokens, {MAX_TOKENS} tokens each)"
+        f"{PRESSURE_NUM_BLOCKS - 1} blocks x {PRESSURE_BLOCK_SIZE} tokens, {MAX_TOKENS} tokens "
+        f"each; {alone_s:.1f} s one at a time, {together_s:.1f} s together)"
     )
     assert preemptions >= MIN_PREEMPTIONS
