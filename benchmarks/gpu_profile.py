@@ -1,0 +1,192 @@
+"""Where a step's time goes on the GPU: kernel categories, GPU busy time and host gaps.
+
+``python benchmarks/gpu_profile.py --out DIR`` starts the Llama-3-8B shape (dummy bf16 weights)
+once, then for each scenario (decode at batch 1, 64 and 256, one long prefill, and a sweep of batch sizes) brings the batch
+to a steady state, times a run of steps without a profiler (the step time), then profiles the
+same number of steps with ``torch.profiler`` (CUDA activity) and splits the kernel time into
+categories. ``host gap`` is the part of the wall time during which no kernel ran: the GPU
+waited for the host. Results go to DIR/profile.json (and a Chrome trace of the batch-1 run).
+
+Scenarios drive the engine directly (``EngineCore.step``), so a step here is exactly one
+engine step: schedule, prepare inputs, forward, sample, update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.outputs import RequestOutputKind
+
+CONFIGS = Path(__file__).resolve().parent / "model-configs"
+
+# Kernel name -> category, first match wins (names from cuBLAS, Triton, Inductor and NCCL).
+CATEGORIES = [
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|splitK", re.I)),
+    ("attention", re.compile(r"paged_attention|split_kv|reduce_splits", re.I)),
+    ("kv_write", re.compile(r"kv_write", re.I)),
+    ("input_prep", re.compile(r"prepare_|combine_sampled|gather_block_tables|slot_mappings")),
+    ("sampler", re.compile(r"sampl|gumbel|argmax|topk|top_k|sort|radix|softmax|exponential", re.I)),
+    ("communication", re.compile(r"nccl", re.I)),
+    ("memcpy/memset", re.compile(r"memcpy|memset|Memcpy|Memset")),
+    ("fused elementwise (norm, rope, silu)", re.compile(r"^triton_")),
+]
+
+
+def category(name: str) -> str:
+    return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (overlapping kernels count once)."""
+    total, current_end = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if start > current_end:
+            total += end - start
+            current_end = end
+        elif end > current_end:
+            total += end - current_end
+            current_end = end
+    return total
+
+
+def add_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> None:
+    rng = np.random.default_rng(batch * 7919 + prompt_len)
+    vocab = llm.engine_core.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        ids = rng.integers(100, vocab - 100, size=prompt_len).tolist()
+        processed = llm.input_processor.process_inputs(
+            f"prof-{batch}-{prompt_len}-{i}", {"prompt_token_ids": ids}, params
+        )
+        llm._add(processed, RequestOutputKind.FINAL_ONLY)
+
+
+def run_steps(llm: LLM, n: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        llm._step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def profile_steps(llm: LLM, n: int, trace: Path | None) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()  # a CPU run (a smoke test) records no kernels
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(n):
+            llm._step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    per_cat: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
+    intervals = []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.time_range.end - event.time_range.start
+        intervals.append((event.time_range.start, event.time_range.end))
+        per_cat[category(event.name)] = per_cat.get(category(event.name), 0.0) + us
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + us
+    busy = busy_union_us(intervals)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "profiled_wall_ms_per_step": wall_us / n / 1e3,
+        "gpu_busy_ms_per_step": busy / n / 1e3,
+        "host_gap_ms_per_step": (wall_us - busy) / n / 1e3,
+        "categories_ms_per_step": {k: round(v / n / 1e3, 4) for k, v in sorted(per_cat.items())},
+        "top_kernels_ms_per_step": {k[:90]: round(v / n / 1e3, 4) for k, v in top},
+    }
+
+
+def start_decoding(llm: LLM, batch: int, prompt_len: int, steps: int) -> None:
+    """Add ``batch`` requests with room for ``steps`` more steps and run them past prefill."""
+    budget = llm.config.scheduler.max_num_batched_tokens
+    prefill_steps = -(-batch * prompt_len // budget) + 3
+    add_requests(llm, batch, prompt_len, prefill_steps + steps + 8)
+    for _ in range(prefill_steps):
+        llm._step()
+
+
+def finish_all(llm: LLM) -> None:
+    while llm.output_processor.has_unfinished_requests():
+        llm._step()
+
+
+def scenario(llm: LLM, name: str, batch: int, prompt_len: int, steps: int, out: Path) -> dict:
+    """Bring ``batch`` requests past their prefill, then time and profile ``steps`` steps."""
+    start_decoding(llm, batch, prompt_len, 2 * steps)
+    step_s = run_steps(llm, steps) / steps
+    trace = out / f"trace_{name}.json" if batch == 1 else None
+    result = {"batch": batch, "context": prompt_len, "step_ms": step_s * 1e3,
+              **profile_steps(llm, steps, trace)}  # fmt: skip
+    finish_all(llm)
+    print(f"[{name}] " + json.dumps(result), flush=True)
+    return result
+
+
+def batch_sweep(llm: LLM, steps: int) -> dict[str, float]:
+    """Decode step time (ms, no profiler) at context 1024 for batch sizes 1..256."""
+    sweep = {}
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        start_decoding(llm, batch, 1024, steps)
+        sweep[str(batch)] = run_steps(llm, steps) / steps * 1e3
+        finish_all(llm)
+        print(f"[sweep] batch {batch}: {sweep[str(batch)]:.3f} ms per step", flush=True)
+    return sweep
+
+
+def prefill_scenario(llm: LLM, out: Path) -> dict:
+    """One step of prefill tokens only (a full token budget of new prompts)."""
+    budget = llm.config.scheduler.max_num_batched_tokens
+    add_requests(llm, budget // 1024, 1024, 1)
+    result = {"tokens": budget, **profile_steps(llm, 1, None)}
+    finish_all(llm)
+    print("[prefill] " + json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--config", default="llama-3-8b.json")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--scenarios", default="b1,b64,b256,prefill,sweep")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    shutil.copy(CONFIGS / args.config, work / "config.json")
+    llm = LLM(model=str(work), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              gpu_memory_utilization=0.85, max_num_seqs=256)  # fmt: skip
+    results: dict[str, Any] = {"config": args.config}
+    plans = {"b1": (1, 1024), "b64": (64, 1024), "b256": (256, 1500)}
+    for name in args.scenarios.split(","):
+        if name == "prefill":
+            results[name] = prefill_scenario(llm, out)
+        elif name == "sweep":
+            results[name] = batch_sweep(llm, args.steps)
+        else:
+            batch, context = plans[name]
+            results[name] = scenario(llm, name, batch, context, args.steps, out)
+        (out / "profile.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
