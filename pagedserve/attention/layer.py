@@ -43,7 +43,10 @@ class Attention(nn.Module):
         Rows past the metadata's ``num_actual_tokens`` (padding) are left unwritten.
         """
         output = torch.empty_like(query)  # [T, Hq * D]
-        torch.ops.pagedserve.unified_attention(query, key, value, output, self.layer_name)
+        if torch.compiler.is_compiling():  # traced: the opaque op where the graph is split
+            torch.ops.pagedserve.unified_attention(query, key, value, output, self.layer_name)
+        else:  # eager: the same body, without the custom-op dispatch (which imports dynamo)
+            attention_by_name(query, key, value, output, self.layer_name)
         return output
 
 
@@ -53,15 +56,22 @@ def unified_attention(
 ) -> None:
     """The attention call as one opaque op: torch.compile splits the model graph here, and the
     op finds its layer (cache, backend) in the forward context by name."""
-    layer = get_forward_context().attn_layers.get(layer_name)
-    if layer is None:
-        raise RuntimeError(f"{layer_name}: not in the forward context's attn_layers")
-    paged_attention(layer, query, key, value, output)
+    attention_by_name(query, key, value, output, layer_name)
 
 
 @unified_attention.register_fake
 def _unified_attention_fake(query, key, value, output, layer_name) -> None:  # noqa: ANN001
     return None
+
+
+def attention_by_name(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    """The op's body: the layer named in the forward context attends and writes ``output``."""
+    layer = get_forward_context().attn_layers.get(layer_name)
+    if layer is None:
+        raise RuntimeError(f"{layer_name}: not in the forward context's attn_layers")
+    paged_attention(layer, query, key, value, output)
 
 
 def paged_attention(

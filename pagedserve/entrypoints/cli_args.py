@@ -5,6 +5,10 @@ becomes an option: ``max_num_seqs`` -> ``--max-num-seqs``, with the field's defa
 ``Literal`` values as choices, and the field's docstring as help. Booleans get ``--flag`` /
 ``--no-flag``. Sampling options come from ``SamplingParams`` the same way.
 
+Seeds: ``--seed`` is the engine's seed (``ModelConfig.seed``); it seeds the sampler, which
+draws each unseeded request its own seed, so a run is reproducible while requests still get
+independent noise. ``--request-seed`` sets ``SamplingParams.seed`` for the command's requests.
+
 This module imports no torch: the CLI builds its parser before the engine is loaded.
 """
 
@@ -38,7 +42,8 @@ SAMPLING_OPTIONS = (
     "include_stop_str_in_output",
     "skip_special_tokens",
 )
-"""SamplingParams fields offered on the command line (``seed`` is the engine's ``--seed``)."""
+"""SamplingParams fields offered under their own names (``seed`` is ``--request-seed``: the
+name ``--seed`` is the engine's)."""
 
 
 @functools.cache
@@ -147,12 +152,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(
-        parser.add_argument_group("sampling options"), SamplingParams, SAMPLING_OPTIONS
+    group = parser.add_argument_group("sampling options")
+    add_dataclass_args(group, SamplingParams, SAMPLING_OPTIONS)
+    group.add_argument(
+        "--request-seed",
+        dest="request_seed",
+        type=int,
+        default=None,
+        help="the request's own sampling seed (SamplingParams.seed): its tokens are then the "
+        "same alone or batched with other requests (default: None, a seed drawn from the "
+        "engine's --seed)",
     )
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    """Raises ``ValueError`` naming the field when a value is out of range."""
+    """The request's sampling parameters. Its seed is ``--request-seed`` (None unless given),
+    never the engine's ``--seed``: as every request's seed that would give all requests one
+    shared noise stream. Raises ``ValueError`` naming the field when a value is out of range."""
     kwargs = {name: getattr(args, name) for name in SAMPLING_OPTIONS if hasattr(args, name)}
-    return SamplingParams(seed=getattr(args, "seed", None), **kwargs)
+    return SamplingParams(seed=getattr(args, "request_seed", None), **kwargs)

@@ -11,7 +11,6 @@ per stop (text) or as one JSON object (``--json``, with complete lists).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -90,10 +89,9 @@ def build_trace(args: argparse.Namespace) -> dict[str, Any]:
     )
     from pagedserve.entrypoints.trace_view import build_stops_view
 
-    # Fail on a bad value before loading the model. The CLI's --seed is the engine seed; as
-    # every request's own seed it would give them one shared noise stream, so each request
-    # draws its seed from the sampler's generator (seeded by the engine seed) instead.
-    params = dataclasses.replace(sampling_params_from_args(args), seed=None)
+    # Fail on a bad value before loading the model. --seed seeds the engine; a request's own
+    # seed is --request-seed (None unless given).
+    params = sampling_params_from_args(args)
     kwargs = engine_kwargs_from_args(args)
     seed = args.scenario == "seed"
     if seed:

@@ -2,7 +2,8 @@
 
 The same arithmetic as ``gguf.quants`` (so results are bit-identical: fp32 ``d * q`` and, for
 Q4_1, a separate ``+ m``), but vectorised over the whole tensor in torch instead of numpy
-groups of 16 rows: ~10x faster on the default model's 135M weights.
+groups of 16 rows, in place in the output buffer: the default model's 135M weights take
+~0.12 s on one core (numpy groups: ~3 s; torch with temporaries: ~0.45 s).
 
 Block layouts (32 weights per block; ``d``, ``m``: float16 scale and minimum):
   Q8_0: d, int8 q[32]                          w = d * q
@@ -22,24 +23,31 @@ SUPPORTED_TYPES = frozenset({QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType
 _FLOAT_TYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, 16] packed pairs -> float32 [n, 32]: low nibbles first, then high ones."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
+def _scales(blocks: torch.Tensor, count: int) -> torch.Tensor:
+    """float32 [n, count]: the ``count`` float16 values at the start of every block."""
+    return blocks[:, : 2 * count].contiguous().view(torch.float16).float()
 
 
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """float32 [n, 1]: the float16 stored at bytes ``start, start + 1`` of every block."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 16] packed pairs -> float32 [n, 32]: low nibbles first, then high ones.
+    Written into one output buffer (no concatenated uint8 copy, no second float copy)."""
+    out = torch.empty(qs.shape[0], 2, 16)  # float32 [n, 2, 16]
+    out[:, 0].copy_(qs & 0x0F)
+    out[:, 1].copy_(qs >> 4)
+    return out.view(-1, 32)
 
 
 def _dequantize_blocks(blocks: torch.Tensor, qtype: QType) -> torch.Tensor:
-    """uint8 [num_blocks, type_size] -> float32 [num_blocks, 32]."""
-    d = _half(blocks, 0)
+    """uint8 [num_blocks, type_size] -> float32 [num_blocks, 32], computed in place in the
+    output buffer with ``gguf.quants``' operation order (so bit-identical)."""
     if qtype == QType.Q8_0:
-        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+        out = torch.empty(blocks.shape[0], 32)  # float32 [n, 32]
+        out.copy_(blocks[:, 2:].view(torch.int8))
+        return out.mul_(_scales(blocks, 1))
     if qtype == QType.Q4_0:
-        return d * (_nibbles(blocks[:, 2:]) - 8.0)
-    return (d * _nibbles(blocks[:, 4:])).add_(_half(blocks, 2))  # Q4_1
+        return _unpack_nibbles(blocks[:, 2:]).sub_(8.0).mul_(_scales(blocks, 1))
+    d_m = _scales(blocks, 2)  # Q4_1: float32 [n, 2], scale then minimum
+    return _unpack_nibbles(blocks[:, 4:]).mul_(d_m[:, :1]).add_(d_m[:, 1:])
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:

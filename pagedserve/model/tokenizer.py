@@ -1,7 +1,9 @@
 """The tokenizer (and chat template) of a model: a Hugging Face folder's tokenizer files, or the
 vocabulary and template stored in a GGUF file's metadata.
 
-Both paths read local files only; no Hugging Face cache or network is needed.
+Both paths read local files only; no Hugging Face cache or network is needed. A tokenizer
+converted from GGUF metadata is kept in a disk cache (``gguf_tokenizer_cache``) so the next
+start-up loads it instead of converting the vocabulary again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from transformers.models.auto import TOKENIZER_MAPPING
 from pagedserve.config import ModelConfig
 from pagedserve.model.gguf_config import GGUF_ARCHS
 from pagedserve.model.gguf_file import GGUFFile
+from pagedserve.model.gguf_tokenizer_cache import TokenizerCache, cache_key
 from pagedserve.model.resolve import ResolvedModel, locate
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
@@ -44,16 +47,37 @@ def _gguf_chat_template(gguf_file: Path) -> str | None:
     return None if template is None else str(template)
 
 
-def tokenizer_from_gguf(gguf_file: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer from ``tokenizer.ggml.*``. transformers (in current versions) also takes
-    the chat template from ``tokenizer.chat_template``; we read it ourselves if it did not."""
-    tokenizer_class = _gguf_tokenizer_class(gguf_file) or AutoTokenizer
+def _convert_gguf_tokenizer(
+    gguf_file: Path, tokenizer_class: type[PreTrainedTokenizerBase]
+) -> PreTrainedTokenizerBase:
+    """Build the tokenizer from ``tokenizer.ggml.*``. transformers (in current versions) also
+    takes the chat template from ``tokenizer.chat_template``; we read it ourselves if not."""
     try:
         tokenizer = tokenizer_class.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"tokenizer: cannot build a tokenizer from {gguf_file}: {e}") from e
     if tokenizer.chat_template is None:
         tokenizer.chat_template = _gguf_chat_template(gguf_file)
+    return tokenizer
+
+
+def tokenizer_from_gguf(
+    gguf_file: Path, cache: TokenizerCache | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in a GGUF file's metadata, from ``cache`` (default: the user's
+    cache folder) when it holds this file's conversion; converted and cached otherwise.
+
+    Tokenizer files beside the GGUF file win (``AutoTokenizer`` reads them; not cached).
+    """
+    tokenizer_class = _gguf_tokenizer_class(gguf_file)
+    if tokenizer_class is None:
+        return _convert_gguf_tokenizer(gguf_file, AutoTokenizer)
+    cache = cache if cache is not None else TokenizerCache()
+    key = cache_key(gguf_file, tokenizer_class)
+    tokenizer = cache.load(key, tokenizer_class)
+    if tokenizer is None:
+        tokenizer = _convert_gguf_tokenizer(gguf_file, tokenizer_class)
+        cache.store(key, tokenizer)
     return tokenizer
 
 

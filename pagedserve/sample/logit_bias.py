@@ -56,6 +56,12 @@ class LogitBiasState:
         self.min_tokens_stop.copy_to_device()
         self.min_tokens.copy_to_device()
 
+    def applies_to(self, idx_mapping_np: np.ndarray) -> bool:
+        """Whether any row of the batch has a logit_bias or min_tokens stop tokens."""
+        return self.bias.any_entries(idx_mapping_np) or self.min_tokens_stop.any_entries(
+            idx_mapping_np
+        )
+
     def apply(
         self,
         logits: torch.Tensor,  # fp32 [num_rows, V], changed in place

@@ -10,8 +10,8 @@ int64 tensors that hold values in [0, 2**32). Its multiplier is below 2**27, so 
 overflows int64 and the arithmetic is exact and identical on every device. Per element it costs
 one xor with the row key and one mix; the per-vocab-index half is precomputed once.
 
-A fused Triton kernel can replace ``gumbel_noise`` on the GPU later (hash, log, log, add and
-argmax in one pass over the logits) as long as it keeps this hash, so results stay bit-equal.
+On CUDA, ``pagedserve/kernels/sampling_gumbel.py`` computes the same hash, logs, add and argmax
+in one pass over the logits (uint32 arithmetic, libdevice's log), so its tokens equal these.
 """
 
 from __future__ import annotations
@@ -19,36 +19,34 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
-_MUL = 0x045D9F3B  # < 2**27: (x < 2**32) * _MUL < 2**59 fits int64 exactly
-_SEED_SALT = (
-    0x9E3779B9  # golden-ratio constant, keeps seed 0 / counter 0 away from the fixed point 0
-)
-_VOCAB_SALT = 0x7F4A7C15
-_UNIFORM_BITS = 23  # (m + 0.5) * 2**-23 is exact in fp32 and lies strictly inside (0, 1)
+HASH_MUL = 0x045D9F3B  # < 2**27: (x < 2**32) * HASH_MUL < 2**59 fits int64 exactly
+SEED_SALT = 0x9E3779B9  # golden ratio: keeps seed 0, counter 0 off the fixed point 0
+VOCAB_SALT = 0x7F4A7C15
+UNIFORM_BITS = 23  # (m + 0.5) * 2**-23 is exact in fp32 and lies strictly inside (0, 1)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """Bijective 32-bit mix of int64 values in [0, 2**32); returns a new tensor in that range."""
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
-    x = ((x >> 16) ^ x) * _MUL & _MASK32
+    x = ((x >> 16) ^ x) * HASH_MUL & _MASK32
+    x = ((x >> 16) ^ x) * HASH_MUL & _MASK32
     return (x >> 16) ^ x
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
     """In-place ``mix32`` for the large [num_rows, V] tensor (saves allocations)."""
     for _ in range(2):
-        x.bitwise_xor_(x >> 16).mul_(_MUL).bitwise_and_(_MASK32)
+        x.bitwise_xor_(x >> 16).mul_(HASH_MUL).bitwise_and_(_MASK32)
     return x.bitwise_xor_(x >> 16)
 
 
 def vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
     """int64 [V]: the per-vocab-index half of the hash, computed once per sampler."""
-    return mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _VOCAB_SALT)
+    return mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ VOCAB_SALT)
 
 
 def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """int64 [num_rows] keys from seeds and counters, both int64 [num_rows] and >= 0."""
-    h = mix32((seeds & _MASK32) ^ _SEED_SALT)
+    h = mix32((seeds & _MASK32) ^ SEED_SALT)
     for word in (seeds >> 32, counters & _MASK32, counters >> 32):
         h = mix32(h ^ (word & _MASK32))
     return h
@@ -59,8 +57,8 @@ def uniform_noise(
 ) -> torch.Tensor:
     """fp32 [num_rows, V] uniforms in (0, 1); element (r, v) depends on seeds[r], counters[r], v."""
     x = keys_v.unsqueeze(0) ^ row_keys(seeds, counters).unsqueeze(1)  # int64 [num_rows, V]
-    x = _mix32_(x) >> (32 - _UNIFORM_BITS)
-    return x.to(torch.float32).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+    x = _mix32_(x) >> (32 - UNIFORM_BITS)
+    return x.to(torch.float32).add_(0.5).mul_(2.0**-UNIFORM_BITS)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, keys_v: torch.Tensor) -> torch.Tensor:

@@ -91,11 +91,15 @@ class PenaltiesState:
         for buffer in (self.repetition_penalty, self.frequency_penalty, self.presence_penalty):
             buffer.copy_to_device()
 
+    def applies_to(self, idx_mapping_np: np.ndarray) -> bool:
+        """Whether any row of the batch uses a penalty."""
+        return bool(np.any(self.use_penalty[idx_mapping_np]))
+
     def apply(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
     ) -> None:
         """Penalise logits fp32 [num_rows, V] in place; skipped when no slot uses penalties."""
-        if not np.any(self.use_penalty[idx_mapping_np]):
+        if not self.applies_to(idx_mapping_np):
             return
         assert self.prompt_mask is not None and self.output_counts is not None
         apply_penalties(

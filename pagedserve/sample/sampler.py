@@ -7,7 +7,11 @@ Per step (rows gathered through idx_mapping, batch row -> slot):
   4. greedy rows (temperature < 1e-5): argmax of these processed logits
   5. other rows: divide by temperature (fp32), min-p, top-k, top-p, then the Gumbel-max race
      argmax(logits + g) with g from a counter-based hash of (seed, output index, vocab index)
+     (token_sampler.py: torch ops on the CPU, Triton kernels on CUDA, same tokens)
   6. logprobs, if any row asks: raw log_softmax of the model's logits (see logprob.py)
+
+Steps 2-3 run only when some row of the batch needs them; otherwise step 5 reads the model's
+logits as they are (the token samplers never modify their input).
 
 Nothing here makes the device wait for the host: no ``.item()``, no ``torch.multinomial``, no
 branch on a device value. The only branches are on host-side facts about the batch, read from
@@ -21,11 +25,10 @@ import torch
 
 from pagedserve.sample.logit_bias import LogitBiasState, min_tokens_stop_ids
 from pagedserve.sample.logprob import compute_topk_logprobs
-from pagedserve.sample.noise import gumbel_argmax, vocab_keys
 from pagedserve.sample.output import SamplerOutput
 from pagedserve.sample.penalties import PenaltiesState, uses_penalties
 from pagedserve.sample.states import NO_LOGPROBS, SamplingStates
-from pagedserve.sample.topk_topp import apply_min_p, apply_top_k, apply_top_k_top_p
+from pagedserve.sample.token_sampler import make_token_sampler
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -45,7 +48,8 @@ class Sampler:
         self.states = SamplingStates(max_num_reqs, vocab_size, device, seed)
         self.penalties = PenaltiesState(max_num_reqs, vocab_size, device)
         self.logit_bias = LogitBiasState(max_num_reqs, device)
-        self.vocab_keys = vocab_keys(vocab_size, device)  # int64 [V], the noise hash's vocab half
+        # torch ops on the CPU, Triton kernels on CUDA; tests and benchmarks may swap it.
+        self.token_sampler = make_token_sampler(vocab_size, device)
 
     def add_request(
         self,
@@ -82,9 +86,13 @@ class Sampler:
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
     ) -> SamplerOutput:
         """Sample one token per row of logits [num_rows, V] (model dtype)."""
+        self._check_batch(logits, idx_mapping, idx_mapping_np)
+        self._copy_to_device()
         idx_mapping = idx_mapping.to(torch.int64)
-        processed = self.process_logits(logits, idx_mapping, idx_mapping_np)
-        sampled = self._sample(processed, idx_mapping, idx_mapping_np)
+        processed = logits
+        if self.logit_bias.applies_to(idx_mapping_np) or self.penalties.applies_to(idx_mapping_np):
+            processed = self._process(logits, idx_mapping, idx_mapping_np)
+        sampled = self.token_sampler.sample(processed, self.states, idx_mapping, idx_mapping_np)
         num_logprobs = self.states.max_num_logprobs(idx_mapping_np)
         logprobs = None
         if num_logprobs != NO_LOGPROBS:
@@ -100,8 +108,12 @@ class Sampler:
         """
         self._check_batch(logits, idx_mapping, idx_mapping_np)
         self._copy_to_device()
-        idx_mapping = idx_mapping.to(torch.int64)
-        processed = logits.to(torch.float32, copy=True)
+        return self._process(logits, idx_mapping.to(torch.int64), idx_mapping_np)
+
+    def _process(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+    ) -> torch.Tensor:
+        processed = logits.to(torch.float32, copy=True)  # [num_rows, V]
         self.logit_bias.apply(processed, idx_mapping, idx_mapping_np, self.states.num_output_tokens)
         self.penalties.apply(processed, idx_mapping, idx_mapping_np)
         return processed
@@ -118,30 +130,6 @@ class Sampler:
         sampled_token_ids = sampled_token_ids.view(-1).to(torch.int64)
         self.states.num_output_tokens.index_add_(0, idx_mapping, torch.ones_like(idx_mapping))
         self.penalties.count_sampled(idx_mapping, sampled_token_ids)
-
-    def _sample(
-        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
-    ) -> torch.Tensor:
-        """int64 [num_rows] from processed logits fp32 [num_rows, V] (changed in place)."""
-        states = self.states
-        if states.all_greedy(idx_mapping_np):
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if states.any_greedy(idx_mapping_np) else None
-        if states.any_temperature(idx_mapping_np):
-            logits.div_(states.temperature.dev[idx_mapping].unsqueeze(1))
-        if states.any_min_p(idx_mapping_np):
-            apply_min_p(logits, states.min_p.dev[idx_mapping])
-        max_top_k = states.max_top_k(idx_mapping_np)
-        top_k = states.top_k.dev[idx_mapping] if max_top_k > 0 else None
-        if states.any_top_p(idx_mapping_np):
-            logits = apply_top_k_top_p(logits, top_k, states.top_p.dev[idx_mapping])
-        elif top_k is not None:
-            apply_top_k(logits, top_k, max_top_k)
-        counters = states.num_output_tokens[idx_mapping]
-        sampled = gumbel_argmax(logits, states.seeds.dev[idx_mapping], counters, self.vocab_keys)
-        if greedy_ids is not None:
-            sampled = torch.where(states.greedy.dev[idx_mapping], greedy_ids, sampled)
-        return sampled
 
     def _copy_to_device(self) -> None:
         """Apply the staged per-slot parameter writes of add_request/remove_request."""

@@ -81,6 +81,14 @@ class SamplingStates:
     def any_top_p(self, idx_mapping_np: np.ndarray) -> bool:
         return bool(np.any(self.top_p.np[idx_mapping_np] < 1.0))
 
+    def any_truncation(self, idx_mapping_np: np.ndarray) -> bool:
+        """Whether any row of the batch uses min-p, top-k or top-p."""
+        return (
+            self.any_min_p(idx_mapping_np)
+            or self.max_top_k(idx_mapping_np) > 0
+            or self.any_top_p(idx_mapping_np)
+        )
+
     def max_num_logprobs(self, idx_mapping_np: np.ndarray) -> int:
         """The most logprobs any row asks for; NO_LOGPROBS when none asks."""
         return int(np.max(self.num_logprobs[idx_mapping_np], initial=NO_LOGPROBS))

@@ -4,8 +4,9 @@ All ops take temperature-scaled fp32 logits [num_rows, V] and per-row parameters
 through idx_mapping. Each row is handled on its own, so the result never depends on the batch.
 Every op keeps at least the most likely token, so a greedy row's argmax survives them.
 
-top-p uses a full sort over the vocabulary (vLLM's torch fallback); a fused Triton kernel
-(a pivot search instead of a sort) can replace ``apply_top_k_top_p`` on the GPU later.
+top-p uses a full sort over the vocabulary (vLLM's torch fallback). On CUDA the Triton path
+(``pagedserve/kernels/sampling_truncation.py``) finds the same kept sets with a per-row pivot
+search instead; these functions are its reference.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import io
 import os
@@ -80,6 +81,57 @@ def test_options_parse_into_configs():
     assert params.stop == ["a", "bc"] and params.ignore_eos and params.greedy
 
 
+def test_seed_seeds_the_engine_and_request_seed_the_request():
+    """``--seed`` is the engine's; as every request's seed it would give all of them one noise
+    stream. A request is seeded only by ``--request-seed``."""
+    args = _parser().parse_args(["--seed", "7"])
+    assert engine_config_from_args(args).model.seed == 7
+    assert sampling_params_from_args(args).seed is None
+    args = _parser().parse_args(["--seed", "7", "--request-seed", "3"])
+    assert engine_config_from_args(args).model.seed == 7
+    assert sampling_params_from_args(args).seed == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_generate_argv(tmp_path_factory):
+    """``generate`` options for a tiny random model, sampled at a high temperature."""
+    from tests.engine.tiny_models import save_checkpoint
+
+    folder, _, _ = save_checkpoint("llama", tmp_path_factory.mktemp("tiny"))
+    return ["generate", "Hello", "--model", str(folder), "--dtype", "float32",
+            "--max-model-len", "64", "--num-gpu-blocks-override", "8", "--max-tokens", "12",
+            "--ignore-eos", "--temperature", "3"]  # fmt: skip
+
+
+def test_generate_seed_is_reproducible_run_to_run(tiny_generate_argv, capsys):
+    texts = []
+    for seed in ("1", "1", "2"):
+        assert cli.main([*tiny_generate_argv, "--seed", seed]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_request_seed_fixes_the_tokens_whatever_the_engine_seed(tiny_generate_argv, capsys):
+    texts = []
+    for seed in ("1", "2"):
+        assert cli.main([*tiny_generate_argv, "--seed", seed, "--request-seed", "5"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
+
+
+def test_startup_gc_pause_ends_with_the_collector_on_and_start_up_frozen():
+    gc.unfreeze()
+    try:
+        with pytest.raises(ValueError, match="start-up failed"), cli.startup_gc_paused():
+            assert not gc.isenabled()
+            raise ValueError("start-up failed")
+        assert gc.isenabled()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_help_lists_the_commands():
     text = cli.build_parser()[0].format_help()
     for command in ("generate", "chat", "serve", "bench", "trace"):
@@ -93,6 +145,7 @@ def test_help_lists_the_commands():
         (["generate", "hi", "--max-num-seqs", "many"], "invalid int value"),
         (["generate", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "hi", "--block-size", "3"], "block_size"),
+        (["generate", "hi", "--request-seed", "-1"], "seed must be in [0, 2**63)"),
         (["generate", "hi", "--load-format", "zip"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
     ],
@@ -133,12 +186,9 @@ def test_generate_names_paris(paris_run):
     assert "Paris" in result.stdout
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 4 target not yet met: start-up (imports, GGUF parse, tokenizer) and 16 tokens "
-    "take about 17 s on an idle 2-core CPU of this kind, more when the cores are shared",
-)
 def test_generate_within_15_seconds(paris_run):
+    """Issue 4's target: start to end under 15 s on a 2-core CPU (measured 6.4-7.1 s at load
+    average 3 with the bytecode that scripts/install.sh compiles)."""
     result, elapsed = paris_run
     assert result.returncode == 0, result.stderr
     assert elapsed < 15.0, f"took {elapsed:.1f} s"
