@@ -6,20 +6,38 @@ is decided by the forward context the runner set (its dispatcher's descriptor):
 - ``PIECEWISE``: each compute piece replays its graph for the padded token count, attention
   runs eagerly in between;
 - ``FULL``: one graph of the whole forward, attention included (uniform decode batches).
-The token dimension is marked unbacked, so one trace serves every batch size (no guards on
-sizes 0 and 1, no recompiles).
+
+One compile serves every batch: on the first call the token dimension is marked unbacked (no
+guards on sizes 0 and 1, no specialization), and Dynamo keeps no guards at all
+(``_no_guards``), so nothing the runner changes between calls (the KV-cache tensors bound to
+the attention layers, the stream, the inputs' sizes) sends Dynamo back to tracing, and later
+calls need no marks. The first call, which compiles, is timed and logged with the compile
+cache's hits and misses (``compile_stats``); the backend refuses a second trace (see
+``PiecewiseBackend``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import types
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.compilation.backend import PiecewiseBackend
+from pagedserve.compilation.compile_cache import (
+    CacheCounts,
+    read_cache_counts,
+    use_compile_cache_dir,
+)
 from pagedserve.compilation.cuda_graph import CUDAGraphWrapper, GraphPool
+from pagedserve.compilation.phase_log import log_phase
+
+logger = logging.getLogger(__name__)
 
 
 def _own_forward(model: nn.Module) -> Any:
@@ -35,22 +53,75 @@ def _own_forward(model: nn.Module) -> Any:
     return types.MethodType(own, model)
 
 
+def _no_guards(guard_entries: list[Any]) -> list[bool]:
+    """Dynamo guard filter: keep none. The runner always calls with int token ids and int64
+    positions of one dynamic length under inference mode; the model's modules never change
+    after loading. (vLLM drops its guards the same way.)"""
+    return [False] * len(guard_entries)
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    seconds: float
+    """The first call: Dynamo's trace, the backend, and the first run of the pieces."""
+    backend_seconds: float
+    """Splitting and compiling (or loading from the cache) the pieces."""
+    num_pieces: int
+    num_distinct_pieces: int
+    cache: CacheCounts
+    cache_dir: Path | None
+    """Inductor's cache directory (None with eager pieces)."""
+
+
 class CompiledForward:
     def __init__(self, model: nn.Module, piece_compiler: str, use_cuda_graphs: bool) -> None:
         self.model = model
+        self.cache_dir = use_compile_cache_dir() if piece_compiler == "inductor" else None
         self.graph_pool = GraphPool() if use_cuda_graphs else None
         self.backend = PiecewiseBackend(piece_compiler, self.graph_pool)
-        self.compiled = torch.compile(_own_forward(model), backend=self.backend, fullgraph=True)
+        self.compiled = torch.compile(_own_forward(model), backend=self.backend, fullgraph=True,
+                                      options={"guard_filter_fn": _no_guards})
         self.full_graph: CUDAGraphWrapper | None = None
         if self.graph_pool is not None:
             self.full_graph = CUDAGraphWrapper(self.compiled, "FULL", self.graph_pool, "full")
+        self.compile_stats: CompileStats | None = None
+        """Set by the first call (the compile)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        if self.compile_stats is None:
+            return self._first_call(input_ids, positions)
         if self.full_graph is not None:
             return self.full_graph(input_ids, positions)
         return self.compiled(input_ids, positions)
+
+    def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        before, start = read_cache_counts(), time.perf_counter()
+        output = self.compiled(input_ids, positions)
+        stats = CompileStats(
+            seconds=time.perf_counter() - start,
+            backend_seconds=self.backend.compile_seconds,
+            num_pieces=self.backend.num_pieces,
+            num_distinct_pieces=self.backend.num_distinct_pieces,
+            cache=read_cache_counts() - before,
+            cache_dir=self.cache_dir,
+        )
+        self.compile_stats = stats
+        c = stats.cache
+        log_phase(
+            logger, "compile", stats.seconds,
+            f"Dynamo {stats.seconds - stats.backend_seconds:.1f} s, backend "
+            f"{stats.backend_seconds:.1f} s for {stats.num_distinct_pieces} distinct of "
+            f"{self.backend.num_pieces - self.backend.num_attention_pieces} compute pieces; "
+            f"AOT-autograd cache {c.aot_hits} hits / {c.aot_misses} "
+            f"misses, FX-graph cache {c.fx_hits} hits / {c.fx_misses} misses / {c.fx_bypasses} "
+            f"bypasses, in {stats.cache_dir}",
+            backend_seconds=stats.backend_seconds, aot_hits=c.aot_hits, aot_misses=c.aot_misses,
+            fx_hits=c.fx_hits, fx_misses=c.fx_misses, fx_bypasses=c.fx_bypasses,
+            distinct_pieces=stats.num_distinct_pieces, pieces=stats.num_pieces,
+        )  # fmt: skip
+        return output
 
     @property
     def piecewise_wrappers(self) -> list[CUDAGraphWrapper]:

@@ -2,16 +2,24 @@
 
 One ``CUDAGraphWrapper`` wraps one runnable: a piece of the split model (mode PIECEWISE) or the
 whole forward (mode FULL). At call time it reads the forward context: when the runner's
-dispatcher chose this wrapper's mode, it replays the graph captured for ``num_tokens`` (or
-captures it, the first time, during the runner's capture phase); otherwise it runs the runnable
-as it is. Inputs are not copied: every input of a captured region lives at a fixed address
-(the runner's persistent buffers, or outputs of the previous captured piece), which
-``check_addresses`` verifies in tests.
+dispatcher chose this wrapper's mode, it replays the graph captured for ``num_tokens``, or
+captures it if a capture phase (``GraphPool.capture_phase``) is running; otherwise (another
+mode, or a size without a graph outside a capture phase) it runs the runnable as it is.
+Inputs are not copied: every input of a captured region lives at a fixed address (the runner's
+persistent buffers, or outputs of the previous captured piece), which ``check_addresses``
+verifies in tests.
+
+Captures are cheap by construction: a capture phase runs on one side stream, so each capture
+is ``capture_begin`` / ``capture_end`` on the current stream, without the device-wide
+synchronize and ``empty_cache`` that ``torch.cuda.graph`` does on entry (with ~1,700 piece
+graphs at start-up those dominated the capture time; ``empty_cache`` also handed back the
+blocks the next capture would allocate again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +36,49 @@ class _Entry:
     input_addresses: list[int]
 
 
+@dataclass
+class GraphMemory:
+    """Device memory (bytes) the pool's graphs hold, as start-up measured it (worker's
+    ``graph_capture``); None where that step did not run."""
+
+    piecewise: int | None = None
+    """Measured around the PIECEWISE capture."""
+    full_estimate: int | None = None
+    """FULL graphs, estimated by the probe before the KV cache is sized."""
+    full_probe_kept: int = 0
+    """What the probe's dropped graphs left in the pool (reused by the real FULL capture)."""
+    full: int | None = None
+    """FULL graphs, measured around the real capture, plus ``full_probe_kept``."""
+
+
 class GraphPool:
-    """One memory pool shared by every capture of a model (pieces and full graphs)."""
+    """One memory pool shared by every capture of a model (pieces and full graphs), and the
+    side stream its capture phases run on."""
 
     def __init__(self) -> None:
         self.handle = torch.cuda.graph_pool_handle()
+        self.capture_stream: torch.cuda.Stream | None = None
+        """Set while a capture phase runs; wrappers capture only then."""
+        self._stream: torch.cuda.Stream | None = None
+        self.memory = GraphMemory()
+
+    @contextmanager
+    def capture_phase(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
+        """Run the enclosed steps (warm-ups, captures, the eager attention in between) on this
+        pool's side stream. One stream for every phase, so its cuBLAS workspace is allocated
+        once, by the first warm-up, outside any graph."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream, main = self._stream, torch.cuda.current_stream(device)
+        stream.wait_stream(main)
+        self.capture_stream = stream
+        try:
+            with torch.cuda.stream(stream):
+                yield stream
+        finally:
+            self.capture_stream = None
+            main.wait_stream(stream)
+            torch.cuda.synchronize(device)
 
 
 class CUDAGraphWrapper:
@@ -54,6 +100,8 @@ class CUDAGraphWrapper:
             return self.runnable(*args)
         entry = self.entries.get(ctx.num_tokens)
         if entry is None:
+            if self.pool.capture_stream is None:  # never capture outside a capture phase
+                return self.runnable(*args)
             return self._capture(ctx.num_tokens, args)
         if self.check_addresses:
             now = _tensor_addresses(args)
@@ -64,11 +112,19 @@ class CUDAGraphWrapper:
 
     def _capture(self, num_tokens: int, args: tuple) -> Any:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle):
+        graph.capture_begin(pool=self.pool.handle)
+        try:
             output = self.runnable(*args)
+        finally:
+            graph.capture_end()
         self.entries[num_tokens] = _Entry(graph, weak_ref_tensors(output), _tensor_addresses(args))
         # The strong references go back to the caller for this one forward only.
         return output
+
+    def drop(self, num_tokens: int) -> None:
+        """Forget the graph of ``num_tokens`` (its driver memory is freed with it; its pool
+        blocks stay in the pool for the next capture)."""
+        self.entries.pop(num_tokens, None)
 
 
 def _tensor_addresses(args: tuple) -> list[int]:

@@ -76,10 +76,12 @@ class KVCacheManager:
         cover ``num_new_computed_tokens`` tokens after ``request.num_computed_tokens``.
         Returns the newly allocated blocks (hits excluded), possibly empty.
         """
-        computed_blocks = new_computed_blocks or []
-        self._check_allocation(request, num_new_tokens, num_new_computed_tokens, computed_blocks)
         req_id = request.request_id
         held = self.req_to_blocks.get(req_id)
+        if held is not None and not new_computed_blocks and num_new_computed_tokens == 0:
+            return self._grow(request, held, num_new_tokens)
+        computed_blocks = new_computed_blocks or []
+        self._check_allocation(request, num_new_tokens, num_new_computed_tokens, computed_blocks)
         num_held = 0 if held is None else len(held)
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = _cdiv(num_tokens_after, self.block_size) - num_held - len(computed_blocks)
@@ -97,6 +99,24 @@ class KVCacheManager:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
         held.extend(new_blocks)
+        self.cache_blocks(request, num_tokens_after)
+        return new_blocks
+
+    def _grow(
+        self, request: Request, held: list[KVCacheBlock], num_new_tokens: int
+    ) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` for a request that already holds blocks and brings no prefix hits:
+        the path of every running request, every step (a decode usually needs no new block)."""
+        num_tokens_after = request.num_computed_tokens + num_new_tokens
+        if num_new_tokens <= 0 or num_tokens_after > self.max_model_len:
+            self._check_allocation(request, num_new_tokens, 0, [])  # raises the ValueError
+        num_new_blocks = _cdiv(num_tokens_after, self.block_size) - len(held)
+        new_blocks: list[KVCacheBlock] = []
+        if num_new_blocks > 0:
+            if num_new_blocks > self.block_pool.num_free_blocks:
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            held.extend(new_blocks)
         self.cache_blocks(request, num_tokens_after)
         return new_blocks
 
@@ -129,11 +149,13 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks within its first ``num_computed_tokens`` tokens
         (capped at the tokens known so far) in the prefix cache."""
-        req_id = request.request_id
-        if not self.enable_caching or req_id not in self.req_to_blocks:
+        if not self.enable_caching:
             return
-        num_full_blocks = min(num_computed_tokens, request.num_tokens) // self.block_size
-        num_cached = self._num_cached_blocks[req_id]
+        req_id = request.request_id
+        num_cached = self._num_cached_blocks.get(req_id)
+        if num_cached is None:
+            return  # holds no blocks
+        num_full_blocks = min(num_computed_tokens, len(request.all_token_ids)) // self.block_size
         if num_full_blocks <= num_cached:
             return
         block_hashes = update_block_hashes(request, self.block_size)

@@ -124,46 +124,52 @@ class Scheduler:
         return output
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        for request in list(self.running):
+        running = RequestStatus.RUNNING
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        for request in list(self.running):  # a copy: preemption removes from self.running
             if plan.token_budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # preempted earlier in this step
             num_new_tokens = self._num_tokens_to_run(request, plan.token_budget)
             if num_new_tokens == 0:
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
-                continue  # it preempted itself (the least important); later ones may still fit
+                new_blocks = self._preempt_until_fits(request, num_new_tokens, plan)
+                if new_blocks is None:
+                    continue  # it preempted itself (the least important); later ones may fit
             plan.add_running(request, num_new_tokens, new_blocks)
 
     def _num_tokens_to_run(self, request: Request, token_budget: int) -> int:
+        # Lengths read from the lists directly: this runs for every running request each step.
+        num_tokens = len(request.all_token_ids)
+        num_computed = request.num_computed_tokens
         inflight = request.num_output_placeholders
         if inflight and (
-            request.num_output_tokens + inflight >= request.max_tokens
-            or request.num_tokens + inflight >= self.max_model_len
+            len(request.output_token_ids) + inflight >= request.max_tokens
+            or num_tokens + inflight >= self.max_model_len
         ):
             return 0  # the steps in flight already take it to its length cap
-        num_left = request.num_tokens + inflight - request.num_computed_tokens
         # Positions stay below max_model_len.
-        num_left = min(num_left, self.max_model_len - request.num_computed_tokens)
+        num_left = min(num_tokens + inflight, self.max_model_len) - num_computed
         return max(0, min(num_left, token_budget))
 
-    def _allocate_or_preempt(
+    def _preempt_until_fits(
         self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> list[KVCacheBlock] | None:
-        """Allocate, preempting running requests until it fits; None if ``request`` itself was
-        preempted."""
+        """Preempt running requests until ``request``'s allocation fits; None if ``request``
+        itself was preempted."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            if new_blocks is not None:
-                return new_blocks
             victim = self._pick_victim()
             plan.unschedule(victim)
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is request:
                 return None
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
 
     def _pick_victim(self) -> Request:
         """Highest (priority, arrival) under ``priority``, latest arrival under ``fcfs``; ties
@@ -216,14 +222,15 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
 
     def _advance(self, plan: StepPlan) -> None:
-        for rid, num_tokens in plan.num_scheduled_tokens.items():
-            request = self.requests[rid]
-            request.num_computed_tokens += num_tokens
-            will_sample = (
-                request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
-            )
-            if self.scheduler_config.async_scheduling and will_sample:
-                request.num_output_placeholders += 1
+        num_scheduled_tokens = plan.num_scheduled_tokens
+        track_placeholders = bool(self.scheduler_config.async_scheduling)
+        for requests in (plan.running_reqs, plan.new_reqs):
+            for request in requests:
+                request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+                if track_placeholders and request.num_computed_tokens == (
+                    len(request.all_token_ids) + request.num_output_placeholders
+                ):
+                    request.num_output_placeholders += 1  # this step samples its next token
 
     # ---- results -------------------------------------------------------------------------
 
@@ -236,41 +243,49 @@ class Scheduler:
         Requests finished or aborted since ``scheduler_output`` was planned are skipped.
         """
         outputs = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        requests = self.requests
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         for rid, token_ids in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
-            if rid not in scheduler_output.num_scheduled_tokens:
+            if rid not in scheduled:
                 raise ValueError(f"runner_output: request {rid!r} was not scheduled in this step")
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None:
                 continue
-            new_token_ids = self._append_tokens(request, token_ids)
-            prompt_logprobs = runner_output.prompt_logprobs.get(rid)
-            if new_token_ids or prompt_logprobs is not None:
+            # Empty token_ids: a prefill chunk that did not reach the end of the prompt.
+            new_token_ids = self._append_tokens(request, token_ids) if token_ids else token_ids
+            request_prompt_logprobs = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if new_token_ids or request_prompt_logprobs is not None:
                 outputs.append(
                     self._make_engine_output(
-                        request, new_token_ids, runner_output.logprobs.get(rid), prompt_logprobs
+                        request,
+                        new_token_ids,
+                        logprobs.get(rid) if logprobs else None,
+                        request_prompt_logprobs,
                     )
                 )
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
-        if not token_ids:
-            return []  # a prefill chunk that did not reach the end of the prompt
+        """Append the step's tokens (non-empty) up to the first that stops the request."""
         if request.num_output_placeholders > 0:
             request.num_output_placeholders -= 1
-        appended = []
-        for token_id in token_ids:
-            request.append_output_token_ids([token_id])
-            appended.append(token_id)
-            if request.num_output_tokens == 1:
-                self.prompt_tokens += request.num_prompt_tokens
+        appended, stopped = token_ids, False
+        for i, token_id in enumerate(token_ids):
+            # One token per step is the common case: append the runner's list as it is.
+            request.append_output_token_ids(token_ids if len(token_ids) == 1 else [token_id])
+            if len(request.output_token_ids) == 1:
+                self.prompt_tokens += len(request.prompt_token_ids)
             if check_stop(request, self.max_model_len):
+                appended, stopped = token_ids[: i + 1], True
                 break
         self.generation_tokens += len(appended)
         # Blocks completed by tokens that were placeholders when they were scheduled.
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        if request.is_finished:
+        if stopped:
             self._free_request(request)
         return appended
 
@@ -281,14 +296,17 @@ class Scheduler:
         new_logprobs: LogprobsLists | None = None,
         new_prompt_logprobs: LogprobsLists | None = None,
     ) -> EngineCoreOutput:
+        num_cached_tokens = request.num_cached_tokens  # -1 before the first scheduling
+        # Positional, in EngineCoreOutput's field order: half the cost of keywords, and this
+        # runs for every request every step.
         return EngineCoreOutput(
-            req_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=new_logprobs,
-            new_prompt_logprobs=new_prompt_logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            request.request_id,
+            new_token_ids,
+            new_logprobs,
+            new_prompt_logprobs,
+            request.status.finish_reason,
+            request.stop_reason,
+            num_cached_tokens if num_cached_tokens > 0 else 0,
         )
 
     # ---- queries -------------------------------------------------------------------------

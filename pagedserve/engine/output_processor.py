@@ -58,6 +58,8 @@ class CompletionState:
         self.num_reported_tokens = 0
         """Tokens (and logprob rows) already sent in DELTA mode."""
         self.reported_finish = False
+        self.updated = False
+        """Took an engine-core output since its parent last reported (read in DELTA mode)."""
 
     @property
     def finished(self) -> bool:
@@ -65,14 +67,16 @@ class CompletionState:
 
     def update(self, out: EngineCoreOutput) -> str | None:
         """Take one step's output; return the stop string if the text now contains one."""
-        self.token_ids.extend(out.new_token_ids)
+        new_token_ids = out.new_token_ids
+        self.token_ids.extend(new_token_ids)
+        self.updated = True
         if out.new_logprobs is not None and self.want_logprobs:
             self.logprobs.extend(decode_logprobs(self.tokenizer, out.new_logprobs))
             self.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs)
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        stop_str = None
-        if self.detokenizer is not None and out.new_token_ids:
-            stop_str = self.detokenizer.update(out.new_token_ids, out.finish_reason == "stop")
+        if self.detokenizer is None or not new_token_ids:
+            return None  # no text (skip_tokenizer_init, detokenize=False): no stop strings
+        stop_str = self.detokenizer.update(new_token_ids, out.finish_reason == "stop")
         if stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", stop_str
         return stop_str
@@ -120,7 +124,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        for completion in self.completions:  # a loop, not all(...): read every step
+            if completion.finish_reason is None:
+                return False
+        return True
 
     def record(self, completion: CompletionState, out: EngineCoreOutput, now: float) -> None:
         """Per-request bookkeeping of one child output: metrics, prompt logprobs."""
@@ -136,21 +143,24 @@ class RequestState:
                     decode_logprobs(self.tokenizer, out.new_prompt_logprobs)
                 )
 
-    def make_output(self, updated: set[int]) -> RequestOutput | None:
-        """The output to report after a step in which completions ``updated`` changed."""
+    def make_output(self) -> RequestOutput | None:
+        """The output to report after a step in which some completions were ``updated``; None
+        while a FINAL_ONLY request is unfinished."""
         finished = self.finished
+        if self.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None  # the common case while generating: nothing to build
         if finished:
             self.metrics.finished_time = time.monotonic()
         if self.output_kind is RequestOutputKind.FINAL_ONLY:
-            if not finished:
-                return None
             completions = [c.make_output(delta=False) for c in self.completions]
         elif self.output_kind is RequestOutputKind.DELTA:
             completions = [
                 c.make_output(delta=True)
                 for c in self.completions
-                if c.index in updated and not c.reported_finish
+                if c.updated and not c.reported_finish
             ]
+            for c in self.completions:
+                c.updated = False
         else:
             completions = [c.make_output(delta=False) for c in self.completions]
         return RequestOutput(
@@ -202,27 +212,28 @@ class OutputProcessor:
         """Outputs of children no longer tracked (aborted, or stopped by a stop string in an
         earlier step) are ignored."""
         now = time.monotonic()
-        updated: dict[str, set[int]] = {}
+        updated: dict[str, RequestState] = {}
+        """Parents with an updated completion, in the order of their first output."""
         result = OutputProcessorOutput([])
+        children = self._children
         for out in outputs:
-            entry = self._children.get(out.req_id)
+            entry = children.get(out.req_id)
             if entry is None:
                 continue
             state, completion = entry
-            was_finished_in_core = out.finished
             stop_str = completion.update(out)
             state.record(completion, out, now)
-            if stop_str is not None and not was_finished_in_core:
-                result.reqs_to_finish.append(out.req_id)
-            if completion.finished:
-                del self._children[out.req_id]
-            updated.setdefault(state.request_id, set()).add(completion.index)
-        for request_id, indices in updated.items():
-            state = self.request_states[request_id]
-            request_output = state.make_output(indices)
-            if request_output is not None:
-                result.request_outputs.append(request_output)
-            if state.finished:
+            if stop_str is not None and out.finish_reason is None:
+                result.reqs_to_finish.append(out.req_id)  # finished here, not yet in the core
+            if completion.finish_reason is not None:
+                del children[out.req_id]
+            updated[state.request_id] = state
+        for request_id, state in updated.items():
+            request_output = state.make_output()
+            if request_output is None:
+                continue  # FINAL_ONLY and not finished
+            result.request_outputs.append(request_output)
+            if request_output.finished:
                 del self.request_states[request_id]
         return result
 

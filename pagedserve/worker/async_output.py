@@ -54,8 +54,9 @@ class AsyncOutput:
         prompt_spans: list[PromptLogprobsSpan],
         copy_stream: torch.cuda.Stream | None,
     ) -> None:
-        """``sample_rows[j]``: the batch row of sampler row j; ``num_logprobs[j]``: its
-        requested top-k (None: no logprobs). ``copy_stream`` None: tensors are on the host."""
+        """``sample_rows[j]``: the batch row of sampler row j (ascending); ``num_logprobs[j]``:
+        its requested top-k (None: no logprobs), read only when the sampler returned logprobs
+        (may be empty otherwise). ``copy_stream`` None: tensors are on the host."""
         self.req_ids = req_ids
         self.sample_rows = sample_rows
         self.num_logprobs = num_logprobs
@@ -92,13 +93,12 @@ class AsyncOutput:
         if self._event is not None:
             self._event.synchronize()
         self._device_refs = None
-        sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
+        sampled_token_ids = self._sampled_token_ids()
         logprobs: dict[str, LogprobsLists] = {}
-        if self.sampled is not None:
-            for j, (row, token) in enumerate(zip(self.sample_rows, self.sampled.tolist())):
-                sampled_token_ids[row] = [token]
+        if self.logprobs is not None:
+            for j, row in enumerate(self.sample_rows):
                 k = self.num_logprobs[j]
-                if k is not None and self.logprobs is not None:
+                if k is not None:
                     logprobs[self.req_ids[row]] = _lists(self.logprobs, slice(j, j + 1), k)
         prompt_logprobs = {}
         if self.prompt_logprobs is not None:
@@ -112,6 +112,18 @@ class AsyncOutput:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _sampled_token_ids(self) -> list[list[int]]:
+        """One list per batch row: its sampled token, or empty (a partial prefill chunk)."""
+        if self.sampled is None:
+            return [[] for _ in self.req_ids]
+        tokens = self.sampled.tolist()
+        if len(tokens) == len(self.req_ids):  # every row sampled: rows 0..n-1 in order
+            return [[token] for token in tokens]
+        sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
+        for row, token in zip(self.sample_rows, tokens, strict=True):
+            sampled_token_ids[row] = [token]
+        return sampled_token_ids
 
 
 def _host_clone(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,10 @@ rows ``query_start_loc[i] : query_start_loc[i + 1]`` of the token buffers.
 None of these functions waits for the device: they use vectorised torch ops and only host-known
 ints (``num_reqs = len(idx_mapping)``, buffer sizes, ``num_tokens_padded``). Because the real
 token count lives on the device, token-wise functions evaluate every row of the output buffer
-and keep the old value where a row is not theirs to write (``torch.where``).
+and keep the old value where a row is not theirs to write (``torch.where``). Lookups use
+``index_select`` rather than tensor indexing and results are written in place (``out=``,
+``masked_fill_``): the same values at a fraction of the host cost, which matters because these
+ops are the CPU's whole input preparation, every step.
 """
 
 from __future__ import annotations
@@ -18,22 +21,20 @@ from pagedserve.attention.backends.base import PAD_SLOT_ID
 
 
 def _token_rows(
-    query_start_loc: torch.Tensor,  # int32 [>= num_reqs + 1]
-    num_reqs: int,
+    ends: torch.Tensor,  # int32 [num_reqs]: query_start_loc[1 : num_reqs + 1]
     num_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For token rows ``t < num_rows``: (batch row, offset in its request, is a real token).
+    """For token rows ``t < num_rows``: (t, batch row, is a padding row).
 
-    Returns int64 [num_rows], int64 [num_rows], bool [num_rows]. Rows past the last request's
+    Returns int32 [num_rows], int64 [num_rows], bool [num_rows]. Rows past the last request's
     end are padding; their batch row is clamped to the last request so lookups stay in bounds.
     """
-    t = torch.arange(num_rows, dtype=torch.int32, device=query_start_loc.device)
-    ends = query_start_loc[1 : num_reqs + 1].contiguous()  # int32 [num_reqs]
+    num_reqs = ends.shape[0]
+    t = torch.arange(num_rows, dtype=torch.int32, device=ends.device)
     row = torch.searchsorted(ends, t, right=True)  # first request whose end is > t
-    valid = row < num_reqs
-    row = row.clamp(max=num_reqs - 1)
-    offset = (t - query_start_loc[row]).long()
-    return row, offset, valid
+    padding = row >= num_reqs
+    row.clamp_(max=num_reqs - 1)
+    return t, row, padding
 
 
 def prepare_prefill_inputs(
@@ -49,12 +50,16 @@ def prepare_prefill_inputs(
     num_reqs = idx_mapping.shape[0]
     if num_reqs == 0:
         return
-    row, offset, valid = _token_rows(query_start_loc, num_reqs, input_ids.shape[0])
-    slot = idx_mapping.long()[row]  # int64 [max_num_tokens]
-    pos = num_computed_tokens[slot].long() + offset
-    is_prefill = valid & (pos < prefill_len[slot])
-    tokens = all_token_ids[slot, pos.clamp(0, all_token_ids.shape[1] - 1)]
-    input_ids.copy_(torch.where(is_prefill, tokens, input_ids))
+    t, row, padding = _token_rows(query_start_loc[1 : num_reqs + 1], input_ids.shape[0])
+    slot = idx_mapping.index_select(0, row)  # int32 [len(input_ids)]
+    # Position of token t: t - qsl[row] + num_computed[slot].
+    pos = t.sub_(query_start_loc.index_select(0, row)).add_(
+        num_computed_tokens.index_select(0, slot))
+    keep = padding.logical_or_(pos >= prefill_len.index_select(0, slot))  # not a prefill token
+    max_model_len = all_token_ids.shape[1]
+    flat = slot.long().mul_(max_model_len).add_(pos.clamp_(0, max_model_len - 1))
+    tokens = torch.take(all_token_ids, flat)
+    torch.where(keep, input_ids, tokens, out=input_ids)
 
 
 def prepare_pos_seq_lens(
@@ -67,15 +72,16 @@ def prepare_pos_seq_lens(
     """``positions[qsl[i] + j] = num_computed[s] + j``; ``seq_lens[i] = num_computed[s] +
     query_len_i``, and 0 for entries num_reqs.. (padded requests of a FULL graph read 0)."""
     num_reqs = idx_mapping.shape[0]
-    seq_lens[num_reqs:] = 0
+    seq_lens[num_reqs:].zero_()
     if num_reqs == 0:
         return
-    slots = idx_mapping.long()  # int64 [num_reqs]
-    qsl = query_start_loc[: num_reqs + 1]
-    seq_lens[:num_reqs] = num_computed_tokens[slots] + (qsl[1:] - qsl[:-1])
-    row, offset, valid = _token_rows(qsl, num_reqs, positions.shape[0])
-    pos = num_computed_tokens[slots[row]].long() + offset  # int64 [max_num_tokens]
-    positions.copy_(torch.where(valid, pos, positions))
+    ends = query_start_loc[1 : num_reqs + 1]
+    # Token t of row i sits at position t + first[i], first = num_computed - qsl.
+    first = num_computed_tokens.index_select(0, idx_mapping).sub_(query_start_loc[:num_reqs])
+    torch.add(first, ends, out=seq_lens[:num_reqs])
+    t, row, padding = _token_rows(ends, positions.shape[0])
+    pos = first.index_select(0, row).add_(t)  # int32 [len(positions)]
+    torch.where(padding, positions, pos, out=positions)
 
 
 def combine_sampled_tokens(
@@ -91,11 +97,11 @@ def combine_sampled_tokens(
     num_reqs = idx_mapping.shape[0]
     if num_reqs == 0:
         return
-    slots = idx_mapping.long()
-    last = query_start_loc[1 : num_reqs + 1].long() - 1  # int64 [num_reqs]
-    takes_sampled = seq_lens[:num_reqs] > prefill_len[slots]
-    sampled = last_sampled_tokens[slots].to(input_ids.dtype)
-    input_ids[last] = torch.where(takes_sampled, sampled, input_ids[last])
+    last = query_start_loc[1 : num_reqs + 1].long().sub_(1)  # int64 [num_reqs]: last token rows
+    takes_sampled = seq_lens[:num_reqs] > prefill_len.index_select(0, idx_mapping)
+    sampled = last_sampled_tokens.index_select(0, idx_mapping).to(input_ids.dtype)
+    current = input_ids.index_select(0, last)
+    input_ids.index_copy_(0, last, torch.where(takes_sampled, sampled, current, out=current))
 
 
 def gather_block_tables(
@@ -105,7 +111,7 @@ def gather_block_tables(
 ) -> None:
     """``out[i] = block_tables[idx_mapping[i]]`` for i < num_reqs; other rows untouched."""
     num_reqs = idx_mapping.shape[0]
-    out[:num_reqs] = block_tables.index_select(0, idx_mapping)
+    torch.index_select(block_tables, 0, idx_mapping, out=out[:num_reqs])
 
 
 def compute_slot_mappings(
@@ -120,13 +126,15 @@ def compute_slot_mappings(
     """Token at position p of slot s: ``block_tables[s, p // block_size] * block_size +
     p % block_size``; rows ``qsl[num_reqs] .. num_tokens_padded`` get PAD_SLOT_ID."""
     num_reqs = idx_mapping.shape[0]
+    out = slot_mapping[:num_tokens_padded]
     if num_reqs == 0:
-        slot_mapping[:num_tokens_padded] = PAD_SLOT_ID
+        out.fill_(PAD_SLOT_ID)
         return
-    row, _, valid = _token_rows(query_start_loc, num_reqs, num_tokens_padded)
-    slot = idx_mapping.long()[row]  # int64 [num_tokens_padded]
-    pos = positions[:num_tokens_padded].clamp(min=0)
-    block_index = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
-    block_ids = block_tables[slot, block_index].long()
-    cache_slots = block_ids * block_size + pos % block_size
-    slot_mapping[:num_tokens_padded] = torch.where(valid, cache_slots, PAD_SLOT_ID)
+    _, row, padding = _token_rows(query_start_loc[1 : num_reqs + 1], num_tokens_padded)
+    max_num_blocks = block_tables.shape[1]
+    pos = positions[:num_tokens_padded]  # padding rows may hold anything: clamped, masked
+    block_index = torch.div(pos, block_size, rounding_mode="floor").clamp_(0, max_num_blocks - 1)
+    flat = block_index.add_(idx_mapping.index_select(0, row).mul_(max_num_blocks))
+    block_ids = torch.take(block_tables, flat)
+    torch.add(pos.remainder(block_size), block_ids, alpha=block_size, out=out)
+    out.masked_fill_(padding, PAD_SLOT_ID)

@@ -44,11 +44,13 @@ from pagedserve.worker.input_batch import (
     InputBuffers,
     plan_batch,
     prepare_inputs,
+    stage_batch,
 )
 from pagedserve.worker.ops import select_input_prep_ops
-from pagedserve.worker.profile import measure_peak_memory
+from pagedserve.worker.profile import profile_memory
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
-from pagedserve.worker.states import RequestStates
+from pagedserve.worker.staging import StagingBuffer
+from pagedserve.worker.states import NO_LOGPROBS, RequestStates
 from pagedserve.worker.tracer import NullTracer, Tracer
 
 
@@ -95,6 +97,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         """Load the weights, then size every per-request buffer from the model's context."""
+        # Card memory in use before this engine (CUDA context, other engines): not its budget.
+        on_cuda = self.device.type == "cuda"
+        self.memory_baseline = kv_cache.used_device_bytes(self.device) if on_cuda else 0
         before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model, self.hf_config = load_model(self.config.model, self.device, self.dtype)
         if self.device.type == "cuda":
@@ -104,11 +109,19 @@ class ModelRunner:
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
         self.layer_names = list(self.attn_layers)
-        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device)
+        # Every array the host writes for the device each step, in one buffer: one copy.
+        self.staging = StagingBuffer(
+            RequestStates.staged_arrays(self.max_num_reqs)
+            + InputBuffers.staged_arrays(self.max_num_reqs_padded)
+            + BlockTables.staged_arrays(self.max_num_reqs, self.max_num_tokens, self.block_size),
+            self.device)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device,
+                                    self.staging)
         self.block_tables = BlockTables(self.max_num_reqs, self.max_model_len,
                                         self.max_num_tokens, self.block_size, self.device,
-                                        self.ops)
-        self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device)
+                                        self.ops, self.staging)
+        self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device,
+                                    self.staging)
         self.sampler = Sampler(self.max_num_reqs, self.vocab_size, self.device,
                                seed=self.config.model.seed)
         self.forward_fn = self.model
@@ -130,8 +143,7 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type == "cuda":
-            budget = kv_cache.cuda_kv_budget(self.device, cache.gpu_memory_utilization,
-                                             self.weights_bytes, measure_peak_memory(self))
+            budget = kv_cache.cuda_kv_budget(profile_memory(self), cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_memory
         per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
@@ -170,21 +182,22 @@ class ModelRunner:
         if not len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens):
             raise ValueError("scheduled_cached_reqs: req_ids, new_block_ids and "
                              "num_computed_tokens must have the same length")
-        for req_id, new_block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            slot = self.states.set_num_computed_tokens(req_id, num_computed)
-            if new_block_ids is not None:
-                self.block_tables.append_block_ids(slot, single_group(new_block_ids, req_id))
+        slots = self.states.set_num_computed_tokens_batch(cached.req_ids,
+                                                          cached.num_computed_tokens)
+        for i, new_block_ids in enumerate(cached.new_block_ids):
+            if new_block_ids is not None:  # most decodes get no new block
+                self.block_tables.append_block_ids(
+                    int(slots[i]), single_group(new_block_ids, cached.req_ids[i]))
 
     def _apply_plan(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        """Mirror the plan in the slots (host writes only; the step's staging copy follows)."""
+        for req_id in so.finished_req_ids:
+            self._remove_request(req_id)
+        for req_id in so.preempted_req_ids:
             self._remove_request(req_id)
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         self._update_requests(so.scheduled_cached_reqs)
-        self.block_tables.apply_staged_writes()
-        self.states.apply_staged_writes()
         self.tracer.record(
             "plan",
             req_id_to_index=self.states.req_id_to_index,
@@ -199,8 +212,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.execute_model_state = None
+        self.staging.wait_for_copy()  # the host buffer is about to change
         self._apply_plan(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
+            self._flush_block_tables()
             return
         batch = self._prepare_inputs(scheduler_output)
         metadata = self._prepare_attn(batch)
@@ -217,19 +232,30 @@ class ModelRunner:
             return mode
         return CudaGraphMode.NONE
 
+    def _flush_block_tables(self) -> None:
+        """A step without tokens still lands its staged block-table writes, so entries never
+        pile up across steps (a flat index must not repeat within one scatter)."""
+        if self.block_tables.has_staged_entries:
+            self.staging.copy_to_device()
+        self.block_tables.apply_staged_writes()
+
     def _prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
         plan = plan_batch(so.num_scheduled_tokens, self.states)
         plan.check(so.total_num_scheduled_tokens, self.max_num_batched_tokens, self.max_model_len,
-                   self.block_tables.num_blocks_np * self.block_size)
+                   self.block_tables.num_blocks_np, self.block_size)
         descriptor = dispatch(plan.num_reqs, plan.num_tokens, plan.uniform_decode_len,
                               self.capture_sizes, self.config.compilation.enforce_eager)
         mode = self._execution_mode(descriptor)
         self.tracer.record("batch", req_ids=plan.req_ids, idx_mapping=plan.idx_mapping_np,
-                           query_lens=plan.query_lens_np,
-                           has_prefill=bool(plan.is_prefilling_np.any()),
+                           query_lens=plan.query_lens_np, has_prefill=plan.has_prefill,
                            uniform_decode_len=plan.uniform_decode_len, descriptor=descriptor,
                            execution_mode=mode, capture_sizes=self.capture_sizes)
-        batch = prepare_inputs(plan, descriptor, mode, self.buffers, self.states, self.ops)
+        query_start_loc_np = stage_batch(plan, self.buffers)
+        # The step's one host-to-device copy: slot counts, batch rows, block-table entries.
+        self.staging.copy_to_device()
+        self.block_tables.apply_staged_writes()
+        batch = prepare_inputs(plan, query_start_loc_np, descriptor, mode, self.buffers,
+                               self.states, self.ops)
         self.tracer.record("inputs", query_start_loc=batch.query_start_loc,
                            query_start_loc_buffer=self.buffers.query_start_loc,
                            input_ids=batch.input_ids, positions=batch.positions,
@@ -269,20 +295,27 @@ class ModelRunner:
         if state is None:
             return AsyncOutput([], [], [], None, None, [], self.copy_stream)
         batch = state.batch
-        rows = np.flatnonzero(batch.plan.samples_np)  # batch rows whose prefill is complete
-        idx_mapping, idx_mapping_np = self._select_rows(batch.idx_mapping, batch.idx_mapping_np,
-                                                        rows)
+        rows = batch.plan.sample_rows_np  # batch rows whose prefill is complete
+        # The sampled rows' slots and logits rows came with the step's staging copy.
+        idx_mapping, idx_mapping_np = batch.sample_idx_mapping, batch.idx_mapping_np
+        if rows.shape[0] != batch.num_reqs:  # a partial prefill chunk samples nothing
+            idx_mapping_np = idx_mapping_np[rows]
         sampler_output = None
+        num_logprobs: list[int | None] = []
         if rows.size:
-            logits_indices, _ = self._select_rows(batch.logits_indices, batch.logits_indices_np,
-                                                  rows)
-            sampler_output = self._sample(state.hidden_states, logits_indices, idx_mapping,
-                                          idx_mapping_np)
-        prompt_plan = plan_prompt_logprobs(batch, self.states)
+            sampler_output = self._sample(state.hidden_states, batch.sample_logits_indices,
+                                          idx_mapping, idx_mapping_np)
+            if sampler_output.logprobs is not None:
+                num_logprobs = [None if k == NO_LOGPROBS else k
+                                for k in self.states.num_logprobs_np[idx_mapping_np].tolist()]
+        prompt_plan = None
+        if (self.states.num_prompt_logprobs_reqs
+                and self.states.wants_prompt_logprobs_np[batch.idx_mapping_np].any()):
+            prompt_plan = plan_prompt_logprobs(batch, self.states)
         output = AsyncOutput(
             req_ids=batch.req_ids,
             sample_rows=rows.tolist(),
-            num_logprobs=[self.states.sampling_params[s].logprobs for s in idx_mapping_np],
+            num_logprobs=num_logprobs,
             sampler_output=sampler_output,
             prompt_logprobs=None if prompt_plan is None else compute_batch_prompt_logprobs(
                 prompt_plan, state.hidden_states, self.model.compute_logits,
@@ -294,19 +327,11 @@ class ModelRunner:
             self._postprocess(idx_mapping, sampler_output)
         return output
 
-    def _select_rows(
-        self, full: torch.Tensor, full_np: np.ndarray, rows: np.ndarray
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """Batch rows ``rows`` of a per-request tensor and its host twin; the tensor itself when
-        every row is kept (the common case: no partial prefill chunk in the batch)."""
-        if rows.size == full_np.shape[0]:
-            return full, full_np
-        selected_np = full_np[rows]
-        return torch.from_numpy(selected_np).to(self.device, non_blocking=True), selected_np
-
     def _sample(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,
                 idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> SamplerOutput:
-        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_rows, V]
+        """``idx_mapping`` is int64: the sampler's index ops take it without a conversion."""
+        sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
+        logits = self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
         self.tracer.record("logits", logits=logits, logits_indices=logits_indices)
         return self.sampler(logits, idx_mapping, idx_mapping_np)
 
@@ -314,7 +339,7 @@ class ModelRunner:
         """The next step reads these tokens on the device; the host never needs them to build
         a step."""
         sampled = sampler_output.sampled_token_ids  # int64 [num_rows]
-        self.states.last_sampled_tokens.index_copy_(0, idx_mapping.long(), sampled)
+        self.states.last_sampled_tokens.index_copy_(0, idx_mapping, sampled)  # int64 idx_mapping
         self.sampler.update_after_sampling(idx_mapping, sampled)
         self.tracer.record("sample", sampled_token_ids=sampled, idx_mapping=idx_mapping,
                            last_sampled_tokens=self.states.last_sampled_tokens)

@@ -4,9 +4,10 @@ A step never moves rows; it reads them through ``idx_mapping`` (batch row -> slo
 handed out from the top (the first request gets ``max_num_reqs - 1``) and a freed slot is the
 next one handed out again, as in the seed.
 
-Host numpy mirrors hold what the host must know without asking the device (counts, lengths);
-``apply_staged_writes`` copies the mirrors to their device twins once per step. Token ids of a
-prompt live on the device only (``all_token_ids``): the input kernels read them from there.
+Host numpy mirrors hold what the host must know without asking the device (counts, lengths).
+The per-step ones live in a ``StagingBuffer`` (shared with the runner's other per-step arrays):
+its one copy per step updates their device twins. Token ids of a prompt live on the device only
+(``all_token_ids``): the input kernels read them from there.
 """
 
 from __future__ import annotations
@@ -15,13 +16,35 @@ import numpy as np
 import torch
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.staging import StagedArray, StagingBuffer
+
+NO_LOGPROBS = -1
+"""``num_logprobs_np`` of a slot whose request asks for no logprobs."""
 
 
 class RequestStates:
-    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
+    @staticmethod
+    def staged_arrays(max_num_reqs: int) -> list[StagedArray]:
+        """The arrays RequestStates keeps in a staging buffer."""
+        return [
+            StagedArray("num_computed_tokens", torch.int32, max_num_reqs),
+            StagedArray("prefill_len", torch.int32, max_num_reqs),
+        ]
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        device: torch.device,
+        staging: StagingBuffer | None = None,
+    ) -> None:
+        """``staging`` must hold ``staged_arrays(max_num_reqs)``; None: a buffer of its own."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
+        if staging is None:
+            staging = StagingBuffer(self.staged_arrays(max_num_reqs), device)
+        self.staging = staging
 
         self.req_id_to_index: dict[str, int] = {}
         self.index_to_req_id: dict[int, str] = {}
@@ -29,15 +52,13 @@ class RequestStates:
         self.free_slots: list[int] = list(range(max_num_reqs))
 
         # Tokens whose KV is in the cache (set by the scheduler each step).
-        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
-        self.num_computed_tokens = torch.zeros(
-            max_num_reqs, dtype=torch.int32, device=device
-        )  # int32 [max_num_reqs], device twin
+        self.num_computed_tokens_np = staging.host["num_computed_tokens"]  # int32 [max_num_reqs]
+        self.num_computed_tokens = staging.device_views[
+            "num_computed_tokens"
+        ]  # int32 [max_num_reqs], device twin
         # Tokens to prefill from all_token_ids (prompt, plus outputs of a preempted request).
-        self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
-        self.prefill_len = torch.zeros(
-            max_num_reqs, dtype=torch.int32, device=device
-        )  # int32 [max_num_reqs], device twin
+        self.prefill_len_np = staging.host["prefill_len"]  # int32 [max_num_reqs]
+        self.prefill_len = staging.device_views["prefill_len"]  # int32 [max_num_reqs], twin
         self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
         # Generated tokens inside the prefill (non-zero for a request resumed after preemption).
         self.num_output_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
@@ -52,6 +73,11 @@ class RequestStates:
             max_num_reqs, dtype=torch.int64, device=device
         )  # int64 [max_num_reqs]
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        # Per slot, from its SamplingParams, for vectorised questions about a batch.
+        self.num_logprobs_np = np.full(max_num_reqs, NO_LOGPROBS, dtype=np.int32)  # [max_num_reqs]
+        self.wants_prompt_logprobs_np = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
+        self.num_prompt_logprobs_reqs = 0
+        """Slots whose request asks for prompt logprobs (0: no step needs to look)."""
 
     @property
     def num_reqs(self) -> int:
@@ -86,7 +112,14 @@ class RequestStates:
         self.num_output_tokens_np[slot] = prefill_len - num_prompt_tokens
         self.num_computed_tokens_np[slot] = num_computed_tokens
         self.sampling_params[slot] = sampling_params
+        logprobs = sampling_params.logprobs
+        self.num_logprobs_np[slot] = NO_LOGPROBS if logprobs is None else logprobs
+        wants_prompt_logprobs = sampling_params.prompt_logprobs is not None
+        self.wants_prompt_logprobs_np[slot] = wants_prompt_logprobs
+        self.num_prompt_logprobs_reqs += wants_prompt_logprobs
         tokens = torch.tensor(prefill_token_ids, dtype=torch.int32)  # int32 [prefill_len], host
+        if self.device.type == "cuda":
+            tokens = tokens.pin_memory()  # a copy from pageable memory may wait for the device
         self.all_token_ids[slot, :prefill_len].copy_(tokens, non_blocking=True)
         return slot
 
@@ -97,19 +130,30 @@ class RequestStates:
             return None
         del self.index_to_req_id[slot]
         self.sampling_params[slot] = None
+        self.num_logprobs_np[slot] = NO_LOGPROBS
+        self.num_prompt_logprobs_reqs -= bool(self.wants_prompt_logprobs_np[slot])
+        self.wants_prompt_logprobs_np[slot] = False
         self.free_slots.append(slot)
         return slot
 
     def set_num_computed_tokens(self, req_id: str, num_computed_tokens: int) -> int:
         """Mirror the scheduler's count for a running request; returns its slot."""
-        slot = self.req_id_to_index.get(req_id)
-        if slot is None:
-            raise ValueError(f"scheduled_cached_reqs: request {req_id!r} has no slot")
-        self.num_computed_tokens_np[slot] = num_computed_tokens
-        return slot
+        return int(self.set_num_computed_tokens_batch([req_id], [num_computed_tokens])[0])
+
+    def set_num_computed_tokens_batch(
+        self, req_ids: list[str], num_computed_tokens: list[int]
+    ) -> np.ndarray:
+        """``set_num_computed_tokens`` for many running requests at once (one numpy write);
+        returns their slots, int64 [len(req_ids)]."""
+        try:
+            slots = np.fromiter(map(self.req_id_to_index.__getitem__, req_ids), dtype=np.int64,
+                                count=len(req_ids))
+        except KeyError as e:
+            raise ValueError(f"scheduled_cached_reqs: request {e.args[0]!r} has no slot") from None
+        self.num_computed_tokens_np[slots] = num_computed_tokens
+        return slots
 
     def apply_staged_writes(self) -> None:
-        """Copy the host counts to their device twins (two small copies per step)."""
-        self.num_computed_tokens.copy_(torch.from_numpy(self.num_computed_tokens_np),
-                                       non_blocking=True)
-        self.prefill_len.copy_(torch.from_numpy(self.prefill_len_np), non_blocking=True)
+        """Copy the host counts to their device twins: the staging buffer's one copy (the
+        runner makes that copy itself, once per step, for every array of its buffer)."""
+        self.staging.copy_to_device()

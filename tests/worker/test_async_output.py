@@ -41,3 +41,18 @@ def test_rows_land_on_their_requests_and_later_changes_do_not_leak() -> None:
         "P": LogprobsLists([[7], [8]], [[-1.0], [-2.0]], [4, 5]),
         "Q": LogprobsLists([[9, 2, 1]], [[-3.0, -0.125, -0.25]], [6]),
     }
+
+
+def test_every_row_sampled_and_no_logprobs() -> None:
+    out = AsyncOutput(
+        req_ids=["A", "B", "C"],
+        sample_rows=[0, 1, 2],
+        num_logprobs=[],  # not read: the sampler computed no logprobs
+        sampler_output=SamplerOutput(torch.tensor([5, 6, 7]), None),
+        prompt_logprobs=None,
+        prompt_spans=[],
+        copy_stream=None,
+    )
+    result = out.get_output()
+    assert result.sampled_token_ids == [[5], [6], [7]]
+    assert result.logprobs == {} and result.prompt_logprobs == {}

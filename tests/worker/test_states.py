@@ -54,6 +54,22 @@ def test_bad_requests_are_refused() -> None:
         states.add_request("B", [1], 1, 0, SamplingParams())
     with pytest.raises(ValueError, match="has no slot"):
         states.set_num_computed_tokens("B", 1)
+    with pytest.raises(ValueError, match="'B' has no slot"):
+        states.set_num_computed_tokens_batch(["A", "B"], [1, 1])
+
+
+def test_counts_of_many_requests_are_set_at_once() -> None:
+    states = _states(4)
+    for r in ("A", "B", "C"):
+        states.add_request(r, [1, 2, 3], 3, 0, SamplingParams(logprobs=2 if r == "B" else None))
+    slots = states.set_num_computed_tokens_batch(["C", "A"], [3, 2])
+    assert slots.tolist() == [states.req_id_to_index["C"], states.req_id_to_index["A"]]
+    states.apply_staged_writes()
+    assert states.num_computed_tokens[slots].tolist() == [3, 2]
+    b = states.req_id_to_index["B"]
+    assert states.num_logprobs_np[b] == 2 and states.num_computed_tokens[b].item() == 0
+    states.remove_request("B")
+    assert states.num_logprobs_np[b] == -1  # a free slot asks for nothing
 
 
 def _tables() -> BlockTables:
@@ -61,20 +77,47 @@ def _tables() -> BlockTables:
                        device=CPU, ops=TORCH_OPS)
 
 
+def _apply(tables: BlockTables) -> None:
+    """What the runner does each step: the staging copy, then the scatter."""
+    tables.staging.copy_to_device()
+    tables.apply_staged_writes()
+
+
 def test_block_table_writes_are_staged_until_applied() -> None:
     tables = _tables()
     tables.overwrite_row(3, [5, 6])
     tables.append_block_ids(3, [9])
     tables.overwrite_row(1, [2])
-    assert tables.block_table.abs().sum().item() == 0  # nothing on the device yet
+    assert tables.num_staged_entries == 4  # staged as (flat index, block id) pairs
+    tables.staging.copy_to_device()
+    assert tables.block_table.abs().sum().item() == 0  # nothing in the table until applied
     tables.apply_staged_writes()
     assert tables.block_table[3, :3].tolist() == [5, 6, 9]
     assert tables.block_table[1, :1].tolist() == [2]
     assert tables.num_blocks_np.tolist() == [0, 1, 0, 3]
+    assert tables.num_staged_entries == 0
     # A new request in a reused slot overwrites the row from the start.
     tables.overwrite_row(3, [7])
-    tables.apply_staged_writes()
+    _apply(tables)
     assert tables.block_table[3, 0].item() == 7 and tables.num_blocks_np[3] == 1
+
+
+def test_block_table_writes_beyond_the_staging_capacity_travel_as_rows() -> None:
+    # Capacity: max_num_reqs + max_num_tokens / block_size = 4 + 4 = 8 entries.
+    tables = _tables()
+    tables.overwrite_row(0, [1, 2, 3, 4, 5, 6])  # 6 entries
+    tables.overwrite_row(2, [7, 8, 9])  # does not fit: the whole row goes
+    tables.append_block_ids(0, [10, 11])  # still fits: entries 7 and 8
+    tables.append_block_ids(2, [12])  # its row travels already: no entry
+    assert tables.num_staged_entries == 8
+    _apply(tables)
+    assert tables.block_table[0].tolist() == [1, 2, 3, 4, 5, 6, 10, 11]
+    assert tables.block_table[2, :4].tolist() == [7, 8, 9, 12]
+    # The next step starts empty again.
+    tables.append_block_ids(2, [13])
+    assert tables.num_staged_entries == 1
+    _apply(tables)
+    assert tables.block_table[2, :5].tolist() == [7, 8, 9, 12, 13]
 
 
 def test_block_table_row_cannot_outgrow_max_model_len() -> None:
@@ -87,7 +130,7 @@ def test_gather_and_slot_mapping_through_block_tables() -> None:
     tables = _tables()
     tables.overwrite_row(2, [4, 8])
     tables.overwrite_row(0, [1])
-    tables.apply_staged_writes()
+    _apply(tables)
     idx_mapping = torch.tensor([2, 0], dtype=torch.int32)
     gathered = tables.gather_block_tables(idx_mapping, num_reqs_padded=2)
     assert gathered[:, :2].tolist() == [[4, 8], [1, tables.block_table[0, 1].item()]]

@@ -1,0 +1,76 @@
+"""One host buffer, one copy: the small host-to-device writes of a step, packed together.
+
+Every array the host writes for the device each step (per-slot counts, the batch order,
+query_start_loc, the rows to sample, block-table entries) is a typed view into one byte buffer
+on the host and has a twin view into one byte buffer on the device. ``copy_to_device`` moves
+them all with a single copy. On CUDA the host buffer is pinned, so that copy does not wait
+for the device (a copy from pageable memory may), and the device views never move, so CUDA
+graphs can read them.
+
+A pinned host buffer must not change while a copy from it is still queued: ``wait_for_copy``
+waits for the last copy (an event), and callers call it before they write for the next step.
+The last copy is the first work of the previous step on the device, so the wait is normally
+over before it starts. On the CPU the copy is a plain memcpy (the same code path, no pinning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_ALIGN = 64  # bytes; every array starts at a multiple (any dtype view is aligned)
+
+
+@dataclass(frozen=True)
+class StagedArray:
+    """One array of the buffer: ``numel`` elements of ``dtype``."""
+
+    name: str
+    dtype: torch.dtype
+    numel: int
+
+
+class StagingBuffer:
+    """Named arrays packed in one byte buffer: ``host[name]`` (numpy) and
+    ``device_views[name]`` (torch, on the device)."""
+
+    def __init__(self, arrays: list[StagedArray], device: torch.device) -> None:
+        names = [a.name for a in arrays]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arrays: names must be unique, got {names}")
+        self.device = device
+        spans: dict[str, tuple[int, int]] = {}  # name -> (first byte, end byte)
+        offset = 0
+        for a in arrays:
+            end = offset + a.numel * a.dtype.itemsize
+            spans[a.name] = (offset, end)
+            offset = -(-end // _ALIGN) * _ALIGN
+        self.nbytes = max(offset, _ALIGN)
+        pinned = device.type == "cuda"
+        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.device_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.host: dict[str, np.ndarray] = {}
+        self.device_views: dict[str, torch.Tensor] = {}
+        for a in arrays:
+            start, end = spans[a.name]
+            self.host[a.name] = self.host_bytes[start:end].view(a.dtype).numpy()
+            self.device_views[a.name] = self.device_bytes[start:end].view(a.dtype)
+        self._copied = torch.cuda.Event() if pinned else None
+        self._copy_pending = False
+
+    def wait_for_copy(self) -> None:
+        """Return once the device has read the host buffer of the last copy (call before
+        writing for the next step). Immediate on the CPU."""
+        if self._copied is not None and self._copy_pending:
+            self._copied.synchronize()
+            self._copy_pending = False
+
+    def copy_to_device(self) -> None:
+        """One copy of the whole host buffer into the device buffer, queued on the current
+        stream (a few kilobytes: copying what a step left unchanged costs less than choosing)."""
+        self.device_bytes.copy_(self.host_bytes, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._copy_pending = True

@@ -1,0 +1,57 @@
+"""Fixtures of the compilation tests: a 4-layer tiny Llama (so it has repeated middle pieces)
+and CPU runners on it, compiled or eager."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedserve.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pagedserve.worker.model_runner import ModelRunner
+
+DEEP_LLAMA = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)  # fmt: skip
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def deep_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**DEEP_LLAMA)).to(torch.float32).eval()
+    path = tmp_path_factory.mktemp("deep_llama")
+    model.save_pretrained(path)
+    return path
+
+
+def _runner(model_dir: Path, mode: str) -> ModelRunner:
+    config = EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+        compilation=CompilationConfig(mode=mode, piece_compiler="eager"),
+        device="cpu",
+    )
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(64)
+    return runner
+
+
+@pytest.fixture
+def deep_runner(deep_llama_dir: Path) -> Callable[[str], ModelRunner]:
+    """``deep_runner("compile")`` / ``deep_runner("none")``: a CPU runner, 64 blocks of 4."""
+    return functools.partial(_runner, deep_llama_dir)
