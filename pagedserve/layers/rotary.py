@@ -95,7 +95,21 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [T]; query [T, Hq * D], key [T, Hkv * D] -> rotated, same shapes."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D / 2]
+        return self.rotate(self.cos_sin(positions), query, key)
+
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions int64 [T] -> [T, D]: each token's cos half | sin half.
+
+        A model gathers these once per forward and hands them to every layer: the same
+        positions serve all layers, and a compiled graph split into per-layer pieces cannot
+        share one gather between pieces by itself (measured on an H200: 2 kernels per layer)."""
+        return self.cos_sin_cache.index_select(0, positions)
+
+    def rotate(
+        self, cos_sin: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin [T, D] from ``cos_sin``; query [T, Hq * D], key [T, Hkv * D] -> rotated."""
+        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D / 2]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]: broadcast over heads
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

@@ -118,11 +118,12 @@ class LlamaAttention(nn.Module):
         """Hook before rope (Qwen3 normalizes each head here); Llama leaves q and k as they are."""
         return query, key
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """cos_sin [T, head_dim] (the rotary cos | sin of each token's position)."""
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.rotate(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -147,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, cos_sin: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (sublayer output, residual stream); the caller adds them in the next norm."""
         if residual is None:
@@ -155,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(cos_sin, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -177,7 +178,7 @@ class LlamaModel(nn.Module):
         )
         rope_parameters = rope_parameters_from_hf_config(hf_config)
         # One rotary module (one cos/sin cache) shared by every layer.
-        rotary_emb = get_rope(
+        self.rotary_emb = rotary_emb = get_rope(
             head_dim_of(hf_config),
             hf_config.max_position_embeddings,
             rope_parameters,
@@ -194,9 +195,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        cos_sin = self.rotary_emb.cos_sin(positions)  # [T, head_dim]: once for all layers
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
