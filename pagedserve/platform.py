@@ -5,10 +5,14 @@ Detected once at start-up (never in a hot path).
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -79,8 +83,57 @@ def cpu_thread_count(cores: int, load_average: float) -> int:
 
 
 def configure_cpu_threads() -> int:
-    """Set torch's CPU thread count once at engine start-up, unless the user chose one with
-    ``OMP_NUM_THREADS`` (torch reads that itself). Returns the thread count in effect."""
+    """Lower torch's CPU thread count to the idle cores, once at engine start-up. Never raises
+    it: a count chosen before (``OMP_NUM_THREADS``, which torch reads itself, or
+    ``torch.set_num_threads``) is an upper bound. Returns the thread count in effect."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_thread_count(usable_cpu_cores(), os.getloadavg()[0]))
+        policy = cpu_thread_count(usable_cpu_cores(), os.getloadavg()[0])
+        torch.set_num_threads(min(torch.get_num_threads(), policy))
     return torch.get_num_threads()
+
+
+# glibc ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+CPU_MALLOC_OPTIONS = {
+    _M_MMAP_THRESHOLD: 1 << 30,  # blocks up to 1 GiB come from the heap, not fresh mmaps
+    _M_TRIM_THRESHOLD: (1 << 31) - 1,  # keep freed heap memory (int max: never trim)
+    _M_TOP_PAD: 64 << 20,  # grow the heap 64 MiB at a time
+}
+"""What ``configure_cpu_allocator`` sets: glibc parameter -> value."""
+
+
+def configure_cpu_allocator() -> bool:
+    """Make glibc's malloc keep and reuse the memory of freed tensors. Returns False where the
+    C library is not glibc or refuses one of the options.
+
+    Why: torch's CPU tensors come from ``malloc``. By default glibc serves large blocks with
+    fresh ``mmap`` calls and gives freed memory back to the system, so each step's big
+    temporaries (activations, gathered KV blocks) fault their pages in again, every step.
+    Page faults are cheap on an idle machine and expensive on a busy one. Measured on the
+    default model (bf16, 64 requests of 128 tokens, 1 thread, 2-core VM): with other jobs
+    loading it (load average ~3.3) the 8192-token prefill took 19.3 s with 1.04 M page faults
+    and 11.7 s with 0.44 M with these settings, a decode step 321 ms and 206 ms; idle (load
+    ~0.8) the whole 64 x 128-token run took 41.3-45.5 s and 40.6-41.4 s. Memory the process
+    once used stays with it (its peak, as a server's). Process-wide; call once at start-up,
+    before the work that allocates.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    accepted = [mallopt(param, value) == 1 for param, value in CPU_MALLOC_OPTIONS.items()]
+    return all(accepted)
+
+
+def configure_process(device: str | torch.device) -> None:
+    """Engine start-up settings of this process for ``device``: on the CPU, the thread count
+    (``configure_cpu_threads``) and the allocator (``configure_cpu_allocator``); nothing on
+    GPUs."""
+    if torch.device(device).type != "cpu":
+        return
+    threads = configure_cpu_threads()
+    allocator = "tuned" if configure_cpu_allocator() else "default (mallopt missing or refused)"
+    logger.info("CPU start-up: %d torch threads, malloc %s", threads, allocator)

@@ -28,7 +28,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.model.loader import get_max_model_len
 from pagedserve.model.resolve import ResolvedModel, resolve_model
-from pagedserve.platform import resolve_device, resolve_dtype
+from pagedserve.platform import configure_process, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from pagedserve.distributed.executor import PendingOutput
@@ -87,6 +87,7 @@ class EngineCore:
 
         start = time.perf_counter()
         self.config = resolve_device_and_dtype(config)
+        configure_process(self.config.device)  # CPU: thread count, allocator
         # uni / mp / ray, from config.parallel (tensor_parallel_size, distributed_executor_backend)
         self.executor = create_executor(self.config)
         with _timed("load model"):

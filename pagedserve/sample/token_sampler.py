@@ -56,6 +56,13 @@ def truncate(
     return logits
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, V] -> int64 [rows]: argmax taken in fp32. The upcast is exact, so the index is the
+    same, and torch's CPU argmax over bf16 is ~4x slower than upcast + fp32 argmax (64 x 49152
+    on one core: 11.2 vs 3.0 ms, ~5% of a decode step of the default model)."""
+    return logits.float().argmax(dim=-1)
+
+
 class TorchTokenSampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_keys = vocab_keys(vocab_size, device)  # int64 [V], the noise hash's vocab half
@@ -68,8 +75,8 @@ class TorchTokenSampler:
         idx_mapping_np: np.ndarray,
     ) -> torch.Tensor:
         if states.all_greedy(idx_mapping_np):
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1) if states.any_greedy(idx_mapping_np) else None
+            return greedy_argmax(logits)
+        greedy_ids = greedy_argmax(logits) if states.any_greedy(idx_mapping_np) else None
         scaled = logits.to(torch.float32, copy=True)
         scaled = truncate(scaled, states, idx_mapping, idx_mapping_np)
         counters = states.num_output_tokens[idx_mapping]
