@@ -31,6 +31,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.executor import PendingOutput
 from pagedserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedserve.platform import configure_process
 from pagedserve.worker.model_runner import ModelRunner
 
 STEP = "execute_step"
@@ -75,8 +76,9 @@ class Worker:
         self.device = worker_device(spec.config.device, spec.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:  # the ranks share the host's cores
+        else:  # the ranks share the host's cores; then the engine's thread and malloc policy
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+            configure_process(self.device)
         self.tp_group = init_tensor_parallel(
             spec.rank, spec.world_size, spec.init_method, self.device
         )
