@@ -18,7 +18,9 @@ import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, Playwright, sync_playwright
 
 from tests.engine.tiny_models import make_model, make_tokenizer
-from tests.entrypoints.openai.server_utils import API_KEY, MAX_MODEL_LEN, ServerProcess
+from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess
+
+WEB_MAX_MODEL_LEN = 32768
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser")
 CHROMIUM_ARGS = [
@@ -119,20 +121,24 @@ def artifacts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def web_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The engine tests' tiny Llama, allowed ``MAX_MODEL_LEN`` positions (rotary embeddings
-    work at any position): an answer of thousands of tokens streams for seconds, time for a
-    test to press stop."""
+    """The engine tests' tiny Llama, allowed ``WEB_MAX_MODEL_LEN`` positions (rotary
+    embeddings work at any position): an answer of tens of thousands of tokens streams for
+    many seconds, time for a test to watch the panel and press stop however fast the engine
+    is (3,000 tokens once ended before the stop button was pressed)."""
     folder = tmp_path_factory.mktemp("tiny_llama_web")
     tokenizer = make_tokenizer()
     model = make_model("llama", len(tokenizer), tokenizer.eos_token_id)
-    model.config.max_position_embeddings = MAX_MODEL_LEN
+    model.config.max_position_embeddings = WEB_MAX_MODEL_LEN
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
 def start_server(model_dir: Path, log_dir: Path, *args: str) -> ServerProcess:
-    server = ServerProcess(model_dir, log_dir / "server.log", *args)
+    # The page's long answers need the whole context (the last --max-model-len wins).
+    server = ServerProcess(
+        model_dir, log_dir / "server.log", "--max-model-len", str(WEB_MAX_MODEL_LEN), *args
+    )
     server.wait_ready()
     return server
 
