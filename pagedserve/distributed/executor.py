@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from pagedserve.distributed.worker_proc import ModelInfo
+
 
 class PendingOutput(Protocol):
     """A step's sampled tokens on their way to the engine (``AsyncOutput`` for one rank)."""
@@ -88,6 +90,29 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop the workers and free their devices; the executor is unusable afterwards."""
 
+
+
+class WorkerGroupExecutor(Executor):
+    """An executor whose ranks live in workers (processes or Ray actors): every start-up call
+    runs on all ranks through one ``_collect``, and rank 0's answer describes the model."""
+
+    @abstractmethod
+    def _collect(self, method: str, *args: Any) -> list[Any]:
+        """Run the worker's ``method`` on every rank; their results in rank order."""
+
+    def load_model(self) -> None:
+        info: ModelInfo = self._collect("load_model")[0]
+        self.hf_config, self.max_model_len = info.hf_config, info.max_model_len
+        self.dtype, self.device = info.dtype, info.device
+
+    def determine_num_blocks(self) -> int:
+        return min(self._collect("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._collect("initialize_kv_cache", num_blocks)
+
+    def capture_graphs(self) -> None:
+        self._collect("capture_graphs")
 
 def select_backend(config: EngineConfig) -> str:
     """The executor backend ``config`` asks for (``uni`` / ``mp`` / ``ray``), checked."""

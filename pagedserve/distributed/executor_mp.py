@@ -24,9 +24,9 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed.executor import Executor, PendingOutput
+from pagedserve.distributed.executor import PendingOutput, WorkerGroupExecutor
 from pagedserve.distributed.parallel_state import free_port
-from pagedserve.distributed.worker_proc import SHUTDOWN, STEP, ModelInfo, WorkerSpec, worker_main
+from pagedserve.distributed.worker_proc import SHUTDOWN, STEP, WorkerSpec, worker_main
 from pagedserve.distributed.worker_watch import kill_all, raise_worker_error
 
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -44,7 +44,7 @@ class _StepReply:
         return ModelRunnerOutput.empty() if output is None else output
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerGroupExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         size = self.tensor_parallel_size
@@ -107,22 +107,6 @@ class MultiprocExecutor(Executor):
         """Run ``method`` on every rank; their results in rank order."""
         self._broadcast(method, *args)
         return [self._receive(rank, method) for rank in range(len(self.conns))]
-
-    # ---- start-up -----------------------------------------------------------------------------
-
-    def load_model(self) -> None:
-        info: ModelInfo = self._collect("load_model")[0]
-        self.hf_config, self.max_model_len = info.hf_config, info.max_model_len
-        self.dtype, self.device = info.dtype, info.device
-
-    def determine_num_blocks(self) -> int:
-        return min(self._collect("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._collect("initialize_kv_cache", num_blocks)
-
-    def capture_graphs(self) -> None:
-        self._collect("capture_graphs")
 
     # ---- steps --------------------------------------------------------------------------------
 

@@ -19,9 +19,9 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed.executor import Executor, PendingOutput
+from pagedserve.distributed.executor import PendingOutput, WorkerGroupExecutor
 from pagedserve.distributed.ray_worker import NodeInfo, RayWorker, visible_devices_per_rank
-from pagedserve.distributed.worker_proc import STEP, ModelInfo, WorkerSpec
+from pagedserve.distributed.worker_proc import STEP, WorkerSpec
 from pagedserve.distributed.worker_watch import GRACE_S, worker_failure
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -48,7 +48,7 @@ class _StepReply:
         return ModelRunnerOutput.empty() if output is None else output
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerGroupExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.ray = ray = _import_ray()
@@ -120,20 +120,6 @@ class RayExecutor(Executor):
     def _collect(self, method: str, *args: Any) -> list[Any]:
         refs = [actor.call.remote(method, *args) for actor in self.actors]
         return self.wait(refs, method, len(refs))
-
-    def load_model(self) -> None:
-        info: ModelInfo = self._collect("load_model")[0]
-        self.hf_config, self.max_model_len = info.hf_config, info.max_model_len
-        self.dtype, self.device = info.dtype, info.device
-
-    def determine_num_blocks(self) -> int:
-        return min(self._collect("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._collect("initialize_kv_cache", num_blocks)
-
-    def capture_graphs(self) -> None:
-        self._collect("capture_graphs")
 
     # ---- steps --------------------------------------------------------------------------------
 
