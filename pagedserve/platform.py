@@ -9,6 +9,7 @@ import ctypes
 import functools
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,13 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/pagedserve`` if set, else ``~/.cache/pagedserve``: converted
+    tokenizers, compiled CPU kernels."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedserve"
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -30,6 +30,8 @@ import tokenizers
 import transformers
 from transformers import PreTrainedTokenizerBase
 
+from pagedserve.platform import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2
@@ -40,12 +42,6 @@ MAX_ENTRIES = 8
 ABANDONED_AFTER_S = 3600.0
 """A half-written entry (``.tmp-*``, from a process that died while writing) older than this
 is removed."""
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/pagedserve`` if set, else ``~/.cache/pagedserve``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedserve"
 
 
 def cache_key(gguf_file: Path, tokenizer_class: type[PreTrainedTokenizerBase]) -> dict[str, Any]:

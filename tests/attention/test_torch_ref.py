@@ -1,4 +1,5 @@
 """torch_ref paged attention against dense causal attention computed from the full K/V.
+The same cases run through the CPU backend (torch_ref with the native decode kernel).
 
 Each case mixes requests: decodes (query_len 1), whole prompts (no cached prefix) and chunks
 after a cached prefix, in shuffled non-contiguous blocks; the cached prefix is written
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from pagedserve.attention.backends.base import PAD_SLOT_ID, AttentionMetadata
+from pagedserve.attention.backends.cpu import CpuBackend
+from pagedserve.attention.backends.cpu_native import load_paged_decode_kernel
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 
 BLOCK_SIZE = 4
@@ -78,6 +81,17 @@ def _dense_reference(q: torch.Tensor, req: Req, scale: float, causal: bool) -> t
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.fixture(params=["torch_ref", "cpu"])
+def make_backend(request: pytest.FixtureRequest):  # noqa: ANN201
+    """A factory of the backend under test (a fresh one per call: plans are per backend)."""
+    if request.param == "torch_ref":
+        return TorchRefBackend
+    kernel = load_paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler to build the CPU decode kernel")
+    return lambda: CpuBackend(kernel)
+
+
 SHAPES = {
     "decodes": [(9, 1), (1, 1), (17, 1)],
     "equal_decodes": [(9, 1), (9, 1), (9, 1)],  # no mask: keys cut at seq_len, mid-block
@@ -90,12 +104,12 @@ SHAPES = {
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (2, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_matches_dense_reference(
-    shape_case: str, num_heads: int, num_kv_heads: int, causal: bool
+    shape_case: str, num_heads: int, num_kv_heads: int, causal: bool, make_backend
 ) -> None:
     rng = random.Random(f"{shape_case}-{num_heads}-{num_kv_heads}")
     torch.manual_seed(rng.randrange(1 << 30))
     reqs = _make_reqs(SHAPES[shape_case], num_kv_heads, rng)
-    backend = TorchRefBackend()
+    backend = make_backend()
     kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
 
     # The cached prefixes, written by "earlier steps".
@@ -175,11 +189,11 @@ def _expected(reqs: list[Req], query: torch.Tensor, scale: float) -> torch.Tenso
     return torch.cat(rows)
 
 
-def test_one_backend_serves_successive_steps() -> None:
+def test_one_backend_serves_successive_steps(make_backend) -> None:
     """The batch plan is built once per metadata object: a later step (a new object with a
     different layout) through the same backend must not reuse the earlier plan."""
     rng = random.Random(7)
-    backend = TorchRefBackend()
+    backend = make_backend()
     kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, HEAD_DIM)
     for shapes in ([(9, 1), (14, 6), (5, 1)], [(17, 1), (3, 3)], [(9, 1), (14, 6), (5, 1)]):
         reqs = _make_reqs(shapes, 2, rng)
@@ -191,13 +205,15 @@ def test_one_backend_serves_successive_steps() -> None:
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
-def test_bf16_matches_the_dense_reference(num_heads: int, num_kv_heads: int) -> None:
+def test_bf16_matches_the_dense_reference(
+    num_heads: int, num_kv_heads: int, make_backend
+) -> None:
     """bf16 decodes (query heads as rows of their KV head) and prefills, within bf16 rounding."""
     torch.manual_seed(3)
     reqs = _make_reqs([(9, 1), (17, 1), (12, 12), (10, 3), (2, 1)], num_kv_heads, random.Random(3))
     kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, dtype=torch.bfloat16)
     metadata, query = _step(reqs, kv_cache, num_heads, torch.bfloat16)
     output = torch.empty_like(query)
-    TorchRefBackend().forward(query, kv_cache, metadata, HEAD_DIM**-0.5, output)
+    make_backend().forward(query, kv_cache, metadata, HEAD_DIM**-0.5, output)
     expected = _expected(reqs, query, HEAD_DIM**-0.5)
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)

@@ -38,6 +38,8 @@ class _DecodePlan:
     num_blocks: int  # max_blocks
     max_len: int  # the longest seq_len
     mask: torch.Tensor | None  # bool [n, 1, 1, max_len]: key position < seq_len; None if all equal
+    block_table: torch.Tensor  # int32 [n, max_num_blocks], contiguous: each request's blocks
+    seq_lens: torch.Tensor  # int32 [n]
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,20 @@ class TorchRefBackend:
     ) -> None:
         plan = self._plan(metadata, kv_cache.shape[2], query.device)
         if plan.decode is not None:
-            output[plan.decode.rows] = _decode(query, kv_cache, plan.decode, scale)
+            self._decode(query, kv_cache, plan.decode, scale, output)
         for prefill in plan.prefills:
             output[prefill.rows] = _prefill(query, kv_cache, prefill, scale, metadata.causal)
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_tokens, Hq, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        plan: _DecodePlan,
+        scale: float,
+        output: torch.Tensor,  # [num_tokens, Hq, D]
+    ) -> None:
+        """Every decoding request's row at once (a subclass replaces this with a kernel)."""
+        output[plan.rows] = _decode(query, kv_cache, plan, scale)
 
     def _plan(
         self, metadata: AttentionMetadata, block_size: int, device: torch.device
@@ -155,7 +168,10 @@ def _decode_plan(
         key_pos = torch.arange(max_len, device=device)
         mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # bool [n, 1, 1, max_len]
     row_ids = torch.tensor(rows, device=device)  # int64 [n]
-    return _DecodePlan(row_ids, block_ids.flatten(), num_blocks, max_len, mask)
+    return _DecodePlan(
+        row_ids, block_ids.flatten(), num_blocks, max_len, mask,
+        block_table[:, :num_blocks].contiguous(), lens.to(torch.int32),
+    )  # fmt: skip
 
 
 def _prefix_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:

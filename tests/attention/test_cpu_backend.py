@@ -1,0 +1,142 @@
+"""The CPU backend's native decode kernel (``cpu_native/paged_decode.c``) against the torch
+reference: head sizes with their own compiled copy (64, 128) and the generic loop (8, 96),
+GQA groups, bf16 and fp32, shuffled blocks, several threads, strided query rows; its
+argument checks; and the fallback when no compiler can build it.
+
+The dense-reference cases of ``test_torch_ref.py`` run through this backend too.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from pagedserve.attention.backends import cpu_native
+from pagedserve.attention.backends.base import AttentionMetadata
+from pagedserve.attention.backends.cpu import CpuBackend
+from pagedserve.attention.backends.torch_ref import TorchRefBackend
+
+KERNEL = cpu_native.load_paged_decode_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler to build the kernel")
+BLOCK_SIZE = 16
+
+
+def _decode_batch(
+    seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random keys in shuffled blocks and one query row per request: (query, kv_cache, metadata)."""
+    rng = random.Random(sum(seq_lens) + head_dim)
+    width = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 1
+    free = list(range(len(seq_lens) * width + 3))
+    rng.shuffle(free)
+    table = []
+    for n in seq_lens:
+        blocks = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        table.append(blocks + [-1] * (width - len(blocks)))  # past the end: never read
+    kv_cache = torch.randn(2, len(free) + len(seq_lens) * width, BLOCK_SIZE, num_kv_heads, head_dim)
+    query = torch.randn(len(seq_lens), num_heads, head_dim)
+    metadata = AttentionMetadata(
+        num_reqs=len(seq_lens),
+        num_actual_tokens=len(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=torch.tensor(table, dtype=torch.int32),
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
+    )
+    return query.to(dtype), kv_cache.to(dtype), metadata
+
+
+def _run(backend, query, kv_cache, metadata, scale=0.3) -> torch.Tensor:  # noqa: ANN001
+    output = torch.full_like(query, float("nan"))
+    backend.forward(query, kv_cache, metadata, scale, output)
+    return output
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128, 8, 96])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_the_torch_reference(
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(head_dim * num_heads)
+    seq_lens = [1, 16, 17, 200, 5, 33]  # one token, exactly a block, a block and one, ...
+    query, kv_cache, metadata = _decode_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype)
+    expected = _run(TorchRefBackend(), query, kv_cache, metadata)
+    got = _run(CpuBackend(KERNEL), query, kv_cache, metadata)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_threads_and_strided_query_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query rows that are a column slice of a wider tensor (as after splitting a fused QKV
+    projection) and several threads sharing the requests give the same result."""
+    query, kv_cache, metadata = _decode_batch([40, 3, 77, 16, 120], 6, 2, 64, torch.float32)
+    expected = _run(TorchRefBackend(), query, kv_cache, metadata)
+    wide = torch.randn(query.shape[0], 10, 64)
+    wide[:, 2:8] = query
+    strided = wide[:, 2:8]  # row stride 640, heads packed
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    got = _run(CpuBackend(KERNEL), strided, kv_cache, metadata)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_fp16_takes_the_torch_path() -> None:
+    """fp16 has no kernel copy: the backend hands it to the torch path (same result)."""
+    query, kv_cache, metadata = _decode_batch([30, 7], 4, 2, 64, torch.float32)
+    for dtype in (torch.float32, torch.float16):
+        q, kv = query.to(dtype), kv_cache.to(dtype)
+        expected = _run(TorchRefBackend(), q, kv, metadata)
+        torch.testing.assert_close(_run(CpuBackend(KERNEL), q, kv, metadata), expected)
+
+
+@needs_kernel
+def test_kernel_refuses_mismatched_arguments() -> None:
+    query, kv_cache, metadata = _decode_batch([5, 9], 4, 2, 64, torch.float32)
+    rows = torch.arange(2)
+    table, lens = metadata.block_table, metadata.seq_lens
+    out = torch.empty_like(query)
+    with pytest.raises(ValueError, match="dtypes"):
+        KERNEL(query, kv_cache.bfloat16(), rows, table, lens, 1.0, out)
+    with pytest.raises(ValueError, match="int64/int32/int32"):
+        KERNEL(query, kv_cache, rows.int(), table, lens, 1.0, out)
+    with pytest.raises(ValueError, match="one contiguous row per request"):
+        KERNEL(query, kv_cache, rows, table[:1], lens, 1.0, out)
+    with pytest.raises(ValueError, match="does not fit"):
+        KERNEL(query[:, :3], kv_cache, rows, table, lens, 1.0, out[:, :3])
+
+
+def test_no_compiler_keeps_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture  # noqa: ANN001
+) -> None:
+    """A compiler that fails: no kernel, one warning naming the reason, the torch backend."""
+    from pagedserve.worker.attn_utils import select_attention_backend
+
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_native.load_paged_decode_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            backend = select_attention_backend(torch.device("cpu"))
+        assert isinstance(backend, TorchRefBackend) and not isinstance(backend, CpuBackend)
+        assert "false failed" in caplog.text
+    finally:
+        cpu_native.load_paged_decode_kernel.cache_clear()
+
+
+def test_library_name_follows_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path  # noqa: ANN001
+) -> None:
+    """-march=native code is only reused on a CPU with the same feature flags."""
+    monkeypatch.setattr(cpu_native, "_compiler_version", lambda cc: "cc 1.0")
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: "flags: avx2")
+    first = cpu_native.library_path("cc", tmp_path)
+    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: "flags: avx2 avx512f")
+    assert cpu_native.library_path("cc", tmp_path) != first
