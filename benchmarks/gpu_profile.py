@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.entrypoints.bench.gpu_busy import busy_union_us
 from pagedserve.outputs import RequestOutputKind
 
 CONFIGS = Path(__file__).resolve().parent / "model-configs"
@@ -46,18 +47,6 @@ CATEGORIES = [
 def category(name: str) -> str:
     return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
 
-
-def busy_union_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (overlapping kernels count once)."""
-    total, current_end = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if start > current_end:
-            total += end - start
-            current_end = end
-        elif end > current_end:
-            total += end - current_end
-            current_end = end
-    return total
 
 
 def add_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> None:

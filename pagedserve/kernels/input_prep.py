@@ -69,7 +69,7 @@ def prepare_prefill_inputs(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # per-step ints: kernels/__init__
 def _prepare_pos_seq_lens_kernel(
     idx_mapping_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]
@@ -202,7 +202,7 @@ def gather_block_tables(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens_padded"])  # per-step ints: kernels/__init__
 def _compute_slot_mappings_kernel(
     idx_mapping_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]

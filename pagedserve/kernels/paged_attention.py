@@ -47,7 +47,7 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # per-step ints: kernels/__init__
 def _paged_attention_kernel(
     output_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]

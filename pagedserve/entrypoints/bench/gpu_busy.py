@@ -1,5 +1,6 @@
 """GPU busy fraction while a workload runs: NVML's utilization (the share of time a kernel was
-running, as ``nvidia-smi`` reports it), sampled in a background thread."""
+running, as ``nvidia-smi`` reports it), sampled in a background thread; and the exact figure
+from a kernel trace (``busy_union_us`` over the profiler's kernel intervals)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,16 @@ class GpuBusySampler:
     @property
     def busy_fraction(self) -> float | None:
         return sum(self.samples) / (100 * len(self.samples)) if self.samples else None
+
+
+def busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (overlapping kernels count once)."""
+    total, current_end = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if start > current_end:
+            total += end - start
+            current_end = end
+        elif end > current_end:
+            total += end - current_end
+            current_end = end
+    return total
