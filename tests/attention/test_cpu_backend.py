@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,6 +97,20 @@ def test_fp16_takes_the_torch_path() -> None:
         q, kv = query.to(dtype), kv_cache.to(dtype)
         expected = _run(TorchRefBackend(), q, kv, metadata)
         torch.testing.assert_close(_run(CpuBackend(KERNEL), q, kv, metadata), expected)
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """Built with -ffast-math, the library must not carry crtfastmath's constructor, which
+    sets flush-to-zero for the whole process on load (found by hypothesis in the server fuzz
+    test: 'we can't represent subnormal floats right now'). A fresh process loads it."""
+    code = (
+        "import torch; from pagedserve.attention.backends.cpu_native import "
+        "load_paged_decode_kernel as load; assert load() is not None; "
+        "print(float(torch.tensor([1e-40]) * 1.0))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) > 0.0, "subnormal floats were flushed to zero"
 
 
 @needs_kernel

@@ -11,6 +11,11 @@ Built on first use into ``default_cache_dir() / "cpu_kernels"`` (about a second)
 hash of the source, the compiler flags, the compiler and this CPU's feature flags
 (``-march=native`` code must not run on another CPU). No compiler, or a failed build: the
 caller gets ``None`` and keeps the torch path (the reason is logged once).
+
+Threads: the kernel is OpenMP code linked against ``libgomp.so.1``; in a torch process that
+soname resolves to the libgomp torch already loaded, so the kernel runs on torch's intra-op
+threads (measured with 2 threads between torch matmuls: 0.51 ms a call, against 1.35 ms with
+threads of its own that competed with torch's spinning workers).
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ from pagedserve.platform import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC"]
-LIBS = ["-lpthread", "-lm"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+"""-ffast-math for the compile step only: given to the link step, gcc links crtfastmath.o,
+whose constructor sets flush-to-zero / denormals-are-zero for the whole process when the
+library loads (torch's numerics included)."""
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -57,27 +65,25 @@ def _compiler_version(cc: str) -> str:
 
 def library_path(cc: str, cache_dir: Path) -> Path:
     key = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), " ".join(FLAGS + LIBS), cc, _compiler_version(cc),
-             _cpu_flags(), platform.machine())
+    parts = (SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
+             _compiler_version(cc), _cpu_flags(), platform.machine())
     for part in parts:
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
 
 
 def build(cc: str, target: Path) -> None:
-    """Compile into a temporary file, then rename: a concurrent build never sees half a file."""
+    """Compile, then link in a separate step (see ``COMPILE_FLAGS``), into temporary files,
+    then rename: a concurrent build never sees half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), *LIBS],
-                                capture_output=True, text=True)  # fmt: skip
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as tmp:
+        obj, lib = os.path.join(tmp, "paged_decode.o"), os.path.join(tmp, target.name)
+        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj],
+                    [cc, obj, *LINK_FLAGS, "-o", lib]):  # fmt: skip
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(lib, target)
 
 
 class PagedDecodeKernel:

@@ -3,6 +3,7 @@
  *
  * Built by cpu_native/__init__.py with the system C compiler into a small shared library
  * and called through ctypes; no Python or torch headers, so it compiles in about a second.
+ * Compiled with -ffast-math but linked without it (see COMPILE_FLAGS there).
  *
  * Layouts (row strides in elements, the last axis contiguous):
  *   query   [num_rows, num_heads, head_dim]       row r of request i is rows[i]
@@ -16,11 +17,9 @@
  * propagation (a NaN input gives an unspecified row).
  *
  * One task is one request (all its heads: a cache block [block_size, Hkv, D] is read as one
- * contiguous run). Tasks are handed out through an atomic counter to `num_threads` threads (the
- * calling thread is one of them).
+ * contiguous run); `num_threads` OpenMP threads share the requests.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +33,6 @@ typedef struct {
     int64_t query_row_stride, output_row_stride, cache_block_stride;
     float scale;
     int is_bf16;
-    int64_t next_task; /* atomic */
 } Work;
 
 static inline float bf16_to_float(uint16_t x) {
@@ -239,39 +237,37 @@ static void run_task(const Work *w, int64_t req, float *buf) {
     }
 }
 
-static void *worker(void *arg) {
-    Work *w = (Work *)arg;
+/* Scratch floats one thread needs (see task_body). */
+static int64_t scratch_floats(const Work *w) {
     int64_t max_len = 0;
     for (int64_t i = 0; i < w->num_reqs; i++) max_len = w->seq_lens[i] > max_len ? w->seq_lens[i] : max_len;
-    const int64_t floats = (2 * w->num_heads + w->block_size * w->num_kv_heads) * w->head_dim
-                           + w->num_heads * max_len;
-    float *buf = malloc((size_t)floats * sizeof(float));
-    if (buf == NULL) return NULL; /* the other threads take its tasks */
-    const int64_t num_tasks = w->num_reqs;
-    for (;;) {
-        int64_t task = __atomic_fetch_add(&w->next_task, 1, __ATOMIC_RELAXED);
-        if (task >= num_tasks) break;
-        run_task(w, task, buf);
-    }
-    free(buf);
-    return NULL;
+    return (2 * w->num_heads + w->block_size * w->num_kv_heads) * w->head_dim + w->num_heads * max_len;
 }
 
-/* Returns 0 on success, 1 if tasks were left undone (no thread could allocate its buffer). */
+/* Returns 0 on success, 1 if requests were left undone (a thread could not allocate its
+ * scratch). The threads are OpenMP's: in a torch process this library's libgomp.so.1 is the
+ * one torch loaded (same soname), so the kernel runs on torch's own intra-op threads instead of
+ * competing with them for the cores. */
 int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
                            const int64_t *rows, const int32_t *block_table, const int32_t *seq_lens,
                            void *output, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t table_stride,
                            int64_t query_row_stride, int64_t output_row_stride,
                            int64_t cache_block_stride, float scale, int is_bf16, int num_threads) {
-    Work w = {query, key_cache, value_cache, rows, block_table, seq_lens, output,
-              num_reqs, num_heads, num_kv_heads, head_dim, block_size, table_stride,
-              query_row_stride, output_row_stride, cache_block_stride, scale, is_bf16, 0};
-    pthread_t threads[64];
-    int spawned = 0;
-    for (int i = 1; i < num_threads && i < 64; i++)
-        if (pthread_create(&threads[spawned], NULL, worker, &w) == 0) spawned++;
-    worker(&w);
-    for (int i = 0; i < spawned; i++) pthread_join(threads[i], NULL);
-    return __atomic_load_n(&w.next_task, __ATOMIC_RELAXED) < num_reqs;
+    const Work w = {query, key_cache, value_cache, rows, block_table, seq_lens, output,
+                    num_reqs, num_heads, num_kv_heads, head_dim, block_size, table_stride,
+                    query_row_stride, output_row_stride, cache_block_stride, scale, is_bf16};
+    const size_t scratch = (size_t)scratch_floats(&w) * sizeof(float);
+    int64_t undone = 0;
+#pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1) reduction(+ : undone)
+    {
+        float *buf = malloc(scratch);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t req = 0; req < num_reqs; req++) {
+            if (buf != NULL) run_task(&w, req, buf);
+            else undone++;
+        }
+        free(buf);
+    }
+    return undone != 0;
 }
