@@ -121,6 +121,21 @@ def default_capture_sizes(max_capture_size: int) -> list[int]:
     return [s for s in sizes if s <= max_capture_size]
 
 
+def default_piecewise_capture_sizes(max_capture_size: int) -> list[int]:
+    """2, 4, ..., 64 (powers of two), then steps of 64 up to ``max_capture_size``, then the
+    largest of ``default_capture_sizes`` if the steps stop below it: the sparse ladder ends
+    where the dense one does, so both modes cover the same token counts.
+
+    Sparse because each PIECEWISE size is one graph per compiled piece (33 for Llama-3-8B)
+    while padding a mixed batch costs little: its GEMMs are weight-read bound below ~300
+    tokens. Size 1 is left out: a one-token step is a decode (FULL) unless it is a one-token
+    prefill, which pads to 2."""
+    sizes = [2, 4, 8, 16, 32] + list(range(64, max_capture_size + 1, 64))
+    sizes = [s for s in sizes if s <= max_capture_size]
+    dense_top = default_capture_sizes(max_capture_size)[-1]
+    return sizes if sizes and sizes[-1] == dense_top else [*sizes, dense_top]
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool = False
@@ -132,10 +147,21 @@ class CompilationConfig:
     """How each piece between attention ops is compiled (eager: traced FX code as it is)."""
     max_capture_size: int = 512
     cudagraph_capture_sizes: tuple[int, ...] | None = None
-    """Explicit capture sizes; default: ``default_capture_sizes(max_capture_size)``."""
+    """Explicit capture sizes of both modes (FULL and PIECEWISE); default: FULL
+    ``default_capture_sizes(max_capture_size)``, PIECEWISE
+    ``default_piecewise_capture_sizes(max_capture_size)``."""
+    piecewise_cudagraph_capture_sizes: tuple[int, ...] | None = None
+    """Explicit PIECEWISE (mixed batch) capture sizes; overrides ``cudagraph_capture_sizes``
+    for PIECEWISE only."""
 
     def __post_init__(self) -> None:
         _check(self.max_capture_size >= 1, "max_capture_size: must be >= 1")
+        for name in ("cudagraph_capture_sizes", "piecewise_cudagraph_capture_sizes"):
+            sizes = getattr(self, name)
+            _check(
+                sizes is None or all(s >= 1 for s in sizes),
+                f"{name}: every size must be >= 1, got {sizes}",
+            )
         _check(self.mode in ("auto", "compile", "none"), f"mode: {self.mode!r} is not auto, compile or none")
         _check(
             self.piece_compiler in ("inductor", "eager"),
@@ -151,10 +177,20 @@ class CompilationConfig:
         return device_type == "cuda" and self.uses_compile(device_type)
 
     @property
-    def capture_sizes(self) -> list[int]:
+    def full_capture_sizes(self) -> list[int]:
+        """FULL (uniform decode) graph sizes, ascending: dense, a decode step pads little."""
         if self.cudagraph_capture_sizes is not None:
-            return sorted(self.cudagraph_capture_sizes)
+            return sorted(set(self.cudagraph_capture_sizes))
         return default_capture_sizes(self.max_capture_size)
+
+    @property
+    def piecewise_capture_sizes(self) -> list[int]:
+        """PIECEWISE (mixed batch) graph sizes, ascending: sparse by default (see
+        ``default_piecewise_capture_sizes``)."""
+        for sizes in (self.piecewise_cudagraph_capture_sizes, self.cudagraph_capture_sizes):
+            if sizes is not None:
+                return sorted(set(sizes))
+        return default_piecewise_capture_sizes(self.max_capture_size)
 
 
 @dataclass(frozen=True)

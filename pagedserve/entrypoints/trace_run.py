@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.config import default_capture_sizes
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.entrypoints.llm import LLM
@@ -40,6 +41,8 @@ SEED_ENGINE_ARGS: dict[str, Any] = {
     "max_num_seqs": 1024,  # request slots; handed out from the top, so R1 gets slot 1023
     "max_capture_size": 512,  # the H200's capture sizes: up to 512, steps of 16 above 256
     "cudagraph_capture_sizes": None,
+    # The tour pads mixed batches on the dense ladder too (its step 2: 300 tokens -> 304).
+    "piecewise_cudagraph_capture_sizes": tuple(default_capture_sizes(512)),
 }
 """Engine options the seed scenario fixes (they override the command line)."""
 SEED_MIN_BATCHED_TOKENS = 540 + 129

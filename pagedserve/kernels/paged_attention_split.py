@@ -4,8 +4,14 @@ A decode batch has few query rows, so one program per (request, kv head) leaves 
 idle on long contexts. Here each request's keys are cut into ``num_splits`` segments of
 ``ceil(ceil(seq_len / num_splits) / TILE_N) * TILE_N`` keys that run in parallel; each segment
 writes its unnormalized partial output with its softmax max and sum (log2 domain), and a reduce
-kernel rescales and sums the segments. ``num_splits`` is a host-chosen constant; the segment
-length comes from ``seq_lens`` on the device, so any replay of the same launch stays correct.
+kernel rescales and sums the segments. ``num_splits`` is chosen on the host per batch; the
+segment length comes from ``seq_lens`` on the device, so any replay of the same launch stays
+correct.
+
+``num_splits`` is a runtime argument, not a constexpr: every split count shares one compiled
+variant of each kernel (a constexpr count compiled a new variant per count, ~0.5-1 s each on
+the H200, in the middle of FULL-graph capture). The reduce kernel loads a fixed
+``MAX_NUM_SPLITS``-wide tile of segments and masks the ones past ``num_splits``.
 """
 
 from __future__ import annotations
@@ -24,19 +30,21 @@ from pagedserve.kernels.paged_attention import key_tile_size
 
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs.
 _MIN_DOT = 16
+MAX_NUM_SPLITS = 32
+"""The most segments per request: the reduce kernel's (constexpr) tile of segments."""
 
 
 @triton.jit
-def _segment_len(seq_len, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr):
-    keys_per_split = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+def _segment_len(seq_len, num_splits, TILE_N: tl.constexpr):
+    keys_per_split = (seq_len + num_splits - 1) // num_splits
     return (keys_per_split + TILE_N - 1) // TILE_N * TILE_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # per-step ints: kernels/__init__
 def _split_kv_kernel(
-    partial_out_ptr,  # fp32 [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD]
-    partial_max_ptr,  # fp32 [num_reqs, num_heads, NUM_SPLITS]
-    partial_sum_ptr,  # fp32 [num_reqs, num_heads, NUM_SPLITS]
+    partial_out_ptr,  # fp32 [num_reqs, num_heads, num_splits, HEAD_DIM_PAD]
+    partial_max_ptr,  # fp32 [num_reqs, num_heads, num_splits]
+    partial_sum_ptr,  # fp32 [num_reqs, num_heads, num_splits]
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -44,6 +52,7 @@ def _split_kv_kernel(
     seq_lens_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]
     qk_scale,
+    num_splits,
     stride_q_tok,
     stride_q_head,
     stride_kc_block,
@@ -60,7 +69,6 @@ def _split_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # >= GROUP: rows are the q heads of one kv head
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -71,7 +79,7 @@ def _split_kv_kernel(
     if tl.load(query_start_loc_ptr + req + 1) == q_start:
         return  # a request without a query row this step
     seq_len = tl.load(seq_lens_ptr + req)
-    seg_len = _segment_len(seq_len, NUM_SPLITS, TILE_N)
+    seg_len = _segment_len(seq_len, num_splits, TILE_N)
     kv_start = split * seg_len
     if kv_start >= seq_len:
         return  # an empty segment; the reduce kernel skips it
@@ -97,28 +105,29 @@ def _split_kv_kernel(
         stride_vc_block, stride_vc_off, stride_vc_head,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
-    stat_off = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+    stat_off = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_M]
     tl.store(partial_max_ptr + stat_off, m_i, mask=row_mask)
     tl.store(partial_sum_ptr + stat_off, l_i, mask=row_mask)
     out_off = stat_off[:, None] * HEAD_DIM_PAD + offs_d[None, :]
     tl.store(partial_out_ptr + out_off, acc, mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # per-step ints: kernels/__init__
 def _reduce_splits_kernel(
     output_ptr,  # [num_tokens, num_heads, head_dim]
-    partial_out_ptr,  # fp32 [num_reqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD]
-    partial_max_ptr,  # fp32 [num_reqs, num_heads, NUM_SPLITS]
-    partial_sum_ptr,  # fp32 [num_reqs, num_heads, NUM_SPLITS]
+    partial_out_ptr,  # fp32 [num_reqs, num_heads, num_splits, HEAD_DIM_PAD]
+    partial_max_ptr,  # fp32 [num_reqs, num_heads, num_splits]
+    partial_sum_ptr,  # fp32 [num_reqs, num_heads, num_splits]
     seq_lens_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]
+    num_splits,
     stride_o_tok,
     stride_o_head,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # >= num_splits: the segments' tile
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -126,14 +135,15 @@ def _reduce_splits_kernel(
     if tl.load(query_start_loc_ptr + req + 1) == q_start:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    seg_len = _segment_len(seq_len, NUM_SPLITS, TILE_N)
-    splits = tl.arange(0, NUM_SPLITS)
-    live = splits * seg_len < seq_len  # segments the split kernel wrote
-    stat_off = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    seg_len = _segment_len(seq_len, num_splits, TILE_N)
+    splits = tl.arange(0, SPLITS_PAD)
+    # Segments the split kernel wrote: launched (< num_splits) and not empty.
+    live = (splits < num_splits) & (splits * seg_len < seq_len)
+    stat_off = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + splits
     seg_max = tl.load(partial_max_ptr + stat_off, mask=live, other=float("-inf"))
     seg_sum = tl.load(partial_sum_ptr + stat_off, mask=live, other=0.0)
     new_max = tl.max(seg_max, 0)
-    weight = tl.where(live, tl.exp2(seg_max - new_max), 0.0)  # [NUM_SPLITS]
+    weight = tl.where(live, tl.exp2(seg_max - new_max), 0.0)  # [SPLITS_PAD]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     seg_out = tl.load(
         partial_out_ptr + stat_off[:, None] * HEAD_DIM_PAD + offs_d[None, :],
@@ -158,10 +168,10 @@ def paged_attention_split_kv(
     num_splits: int,
 ) -> None:
     """Decode attention (max_query_len <= 1) with each request's keys split into ``num_splits``
-    (a power of two) parallel segments. Writes only the rows ``query_start_loc[i]`` of requests
-    with a query row."""
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits: must be a power of two, got {num_splits}")
+    (1 to ``MAX_NUM_SPLITS``) parallel segments. Writes only the rows ``query_start_loc[i]`` of
+    requests with a query row. Every split count runs the same compiled kernels."""
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits: must be in 1..{MAX_NUM_SPLITS}, got {num_splits}")
     if num_reqs == 0:
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -179,21 +189,21 @@ def paged_attention_split_kv(
     _split_kv_kernel[(num_reqs, key_cache.shape[2], num_splits)](
         partial_out, partial_max, partial_sum,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale * LOG2_E,
+        scale * LOG2_E, num_splits,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
-        TILE_N=tile_n, NUM_SPLITS=num_splits,
+        TILE_N=tile_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
         num_warps=4,
     )  # fmt: skip
     _reduce_splits_kernel[(num_reqs, num_heads)](
-        output, partial_out, partial_max, partial_sum, seq_lens, query_start_loc,
+        output, partial_out, partial_max, partial_sum, seq_lens, query_start_loc, num_splits,
         output.stride(0), output.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        TILE_N=tile_n, NUM_SPLITS=num_splits,
+        TILE_N=tile_n, SPLITS_PAD=MAX_NUM_SPLITS,
         num_warps=4,
     )  # fmt: skip

@@ -3,10 +3,16 @@
 The runner asks before it builds any input, because the answer sets the padded token count
 (and, for FULL graphs, the padded request count) of every buffer view of the step.
 
-- Above the largest capture size, or with ``enforce_eager``: NONE (eager, no padding).
-- A uniform decode batch (every request runs exactly 1 token): FULL, the graph of the whole
-  forward, padded to the next capture size in tokens *and* requests.
-- Anything else: PIECEWISE, the compiled pieces between attention ops, padded in tokens only.
+Each mode pads on its own ladder of capture sizes (``CaptureLadders``): FULL on a dense one (a
+decode step is short, padding it costs a larger share), PIECEWISE on a sparse one (each size is
+one graph per compiled piece, and a mixed batch's GEMMs are weight-read bound, so padding it
+costs little).
+
+- A uniform decode batch (every request runs exactly 1 token) within the FULL ladder: FULL,
+  the graph of the whole forward, padded to the next FULL size in tokens *and* requests.
+- Anything else within the PIECEWISE ladder: PIECEWISE, the compiled pieces between attention
+  ops, padded to the next PIECEWISE size in tokens only.
+- Above both, or with ``enforce_eager``: NONE (eager, no padding).
 """
 
 from __future__ import annotations
@@ -40,24 +46,60 @@ def padded_size(n: int, capture_sizes: list[int]) -> int:
     return capture_sizes[i] if i < len(capture_sizes) else n
 
 
+@dataclass(frozen=True)
+class CaptureLadders:
+    """The capture sizes of each graph mode, each sorted ascending (``CompilationConfig``'s
+    ``full_capture_sizes`` and ``piecewise_capture_sizes``)."""
+
+    full: list[int]
+    piecewise: list[int]
+
+    def __post_init__(self) -> None:
+        for name in ("full", "piecewise"):
+            sizes = getattr(self, name)
+            if sizes != sorted(set(sizes)):
+                raise ValueError(f"CaptureLadders.{name}: not ascending and distinct: {sizes}")
+
+    def ladder(self, mode: CudaGraphMode) -> list[int]:
+        """The sizes ``mode`` pads on (NONE: the PIECEWISE ladder, the one every batch that is
+        not a FULL decode is measured against)."""
+        return self.full if mode is CudaGraphMode.FULL else self.piecewise
+
+    def max_padded_tokens(self, max_num_tokens: int) -> int:
+        """The most tokens any batch of at most ``max_num_tokens`` pads to, on either ladder:
+        what token buffers must hold."""
+        return max(padded_size(max_num_tokens, self.full),
+                   padded_size(max_num_tokens, self.piecewise))
+
+    def max_padded_reqs(self, max_num_reqs: int) -> int:
+        """The most requests any batch of at most ``max_num_reqs`` pads to: only FULL pads
+        requests (to its token size, one token per request)."""
+        return padded_size(max_num_reqs, self.full)
+
+
 def dispatch(
     num_reqs: int,
     num_tokens: int,
     uniform_decode_len: int | None,
-    capture_sizes: list[int],
+    ladders: CaptureLadders,
     enforce_eager: bool,
 ) -> BatchDescriptor:
     """The descriptor of a batch of ``num_reqs`` requests and ``num_tokens`` tokens.
 
     ``uniform_decode_len``: the common query length when every request is decoding (None when
-    the batch has a real prefill); ``capture_sizes`` sorted ascending.
+    the batch has a real prefill). A uniform decode batch above the FULL ladder falls to
+    PIECEWISE if its ladder reaches further (only with explicit sizes; the defaults end at the
+    same size).
     """
     if num_reqs <= 0 or num_tokens < num_reqs:
         raise ValueError(f"dispatch: {num_reqs} requests with {num_tokens} tokens")
-    if enforce_eager or not capture_sizes or num_tokens > capture_sizes[-1]:
+    if enforce_eager:
         return BatchDescriptor(CudaGraphMode.NONE, num_tokens, None)
-    size = padded_size(num_tokens, capture_sizes)
-    if uniform_decode_len == DECODE_QUERY_LEN:
+    full, piecewise = ladders.full, ladders.piecewise
+    if uniform_decode_len == DECODE_QUERY_LEN and full and num_tokens <= full[-1]:
         # num_tokens == num_reqs here, so the request count pads to the same size.
+        size = padded_size(num_tokens, full)
         return BatchDescriptor(CudaGraphMode.FULL, size, size)
-    return BatchDescriptor(CudaGraphMode.PIECEWISE, size, None)
+    if piecewise and num_tokens <= piecewise[-1]:
+        return BatchDescriptor(CudaGraphMode.PIECEWISE, padded_size(num_tokens, piecewise), None)
+    return BatchDescriptor(CudaGraphMode.NONE, num_tokens, None)

@@ -2,8 +2,11 @@
 
 Each capture runs a dummy plan exactly like a real step (same buffers, same input prep, same
 metadata), so a replay later reads the very addresses the capture recorded:
-- FULL: ``size`` new requests with a one-token prompt each: a uniform decode batch;
-- PIECEWISE: one new request with a ``size``-token prompt: a prefill batch.
+- FULL: ``size`` new requests with a one-token prompt each: a uniform decode batch, for each
+  size of the dense FULL ladder (``CaptureLadders.full``);
+- PIECEWISE: one new request with a ``size``-token prompt: a prefill batch, for each size of
+  the sparse PIECEWISE ladder (``CaptureLadders.piecewise``): each size costs one graph per
+  compiled piece (33 for Llama-3-8B), so this ladder sets most of the capture time.
 Sizes go from the largest down, so smaller captures reuse the pool memory of larger ones, and
 every capture phase runs on the pool's side stream (``GraphPool.capture_phase``).
 
@@ -51,17 +54,17 @@ Plans = tuple[SchedulerOutput, SchedulerOutput]
 
 def full_sizes(capture_sizes: list[int], max_num_reqs: int, max_num_batched_tokens: int,
                usable_blocks: int) -> list[int]:
-    """FULL capture sizes, largest first: ``size`` one-token requests need ``size`` request
-    slots, tokens and blocks."""
+    """FULL capture sizes (of the FULL ladder), largest first: ``size`` one-token requests
+    need ``size`` request slots, tokens and blocks."""
     limit = min(max_num_reqs, max_num_batched_tokens, usable_blocks)
     return sorted((s for s in capture_sizes if s <= limit), reverse=True)
 
 
 def piecewise_sizes(capture_sizes: list[int], max_num_batched_tokens: int, max_model_len: int,
                     usable_blocks: int, block_size: int) -> list[int]:
-    """PIECEWISE capture sizes, largest first: one ``size``-token prompt must fit the token
-    budget, the context and the blocks. Size 1 is left out: a one-token step is a decode
-    (FULL) unless it is a one-token prefill."""
+    """PIECEWISE capture sizes (of the PIECEWISE ladder), largest first: one ``size``-token
+    prompt must fit the token budget, the context and the blocks. Size 1 is left out: a
+    one-token step is a decode (FULL) unless it is a one-token prefill."""
     limit = min(max_num_batched_tokens, max_model_len, usable_blocks * block_size)
     return sorted((s for s in capture_sizes if 2 <= s <= limit), reverse=True)
 
@@ -119,14 +122,14 @@ def _graph_pool(runner: ModelRunner) -> GraphPool:
 
 
 def _runner_full_sizes(runner: ModelRunner) -> list[int]:
-    return full_sizes(runner.capture_sizes, runner.max_num_reqs, runner.max_num_batched_tokens,
-                      runner.num_blocks - 1)
+    return full_sizes(runner.capture_ladders.full, runner.max_num_reqs,
+                      runner.max_num_batched_tokens, runner.num_blocks - 1)
 
 
 def capture_piecewise(runner: ModelRunner) -> list[int]:
     """Capture every PIECEWISE size after one warm-up; records the memory they hold."""
     pool, device, bs = _graph_pool(runner), runner.device, runner.block_size
-    sizes = piecewise_sizes(runner.capture_sizes, runner.max_num_batched_tokens,
+    sizes = piecewise_sizes(runner.capture_ladders.piecewise, runner.max_num_batched_tokens,
                             runner.max_model_len, runner.num_blocks - 1, bs)
     start, before = time.perf_counter(), used_device_bytes(device)
     with pool.capture_phase(device):

@@ -37,7 +37,7 @@ from pagedserve.worker.attn_utils import (
     select_attention_backend,
 )
 from pagedserve.worker.block_table import BlockTables, single_group
-from pagedserve.worker.cudagraph import BatchDescriptor, CudaGraphMode, dispatch, padded_size
+from pagedserve.worker.cudagraph import BatchDescriptor, CaptureLadders, CudaGraphMode, dispatch
 from pagedserve.worker.graph_capture import capture_graphs
 from pagedserve.worker.input_batch import (
     InputBatch,
@@ -76,10 +76,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.capture_sizes = config.compilation.capture_sizes
-        # Buffers hold the padded sizes: a step may pad up to the next capture size.
-        self.max_num_tokens = padded_size(self.max_num_batched_tokens, self.capture_sizes)
-        self.max_num_reqs_padded = padded_size(self.max_num_reqs, self.capture_sizes)
+        self.capture_ladders = CaptureLadders(config.compilation.full_capture_sizes,
+                                              config.compilation.piecewise_capture_sizes)
+        # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
+        self.max_num_tokens = self.capture_ladders.max_padded_tokens(self.max_num_batched_tokens)
+        self.max_num_reqs_padded = self.capture_ladders.max_padded_reqs(self.max_num_reqs)
         self.ops = select_input_prep_ops(device)
         self.attn_backend = select_attention_backend(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -244,12 +245,13 @@ class ModelRunner:
         plan.check(so.total_num_scheduled_tokens, self.max_num_batched_tokens, self.max_model_len,
                    self.block_tables.num_blocks_np, self.block_size)
         descriptor = dispatch(plan.num_reqs, plan.num_tokens, plan.uniform_decode_len,
-                              self.capture_sizes, self.config.compilation.enforce_eager)
+                              self.capture_ladders, self.config.compilation.enforce_eager)
         mode = self._execution_mode(descriptor)
         self.tracer.record("batch", req_ids=plan.req_ids, idx_mapping=plan.idx_mapping_np,
                            query_lens=plan.query_lens_np, has_prefill=plan.has_prefill,
                            uniform_decode_len=plan.uniform_decode_len, descriptor=descriptor,
-                           execution_mode=mode, capture_sizes=self.capture_sizes)
+                           execution_mode=mode,
+                           capture_sizes=self.capture_ladders.ladder(descriptor.mode))
         query_start_loc_np = stage_batch(plan, self.buffers)
         # The step's one host-to-device copy: slot counts, batch rows, block-table entries.
         self.staging.copy_to_device()

@@ -7,7 +7,7 @@ import torch
 from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch, write_step_kv
 
 from pagedserve.kernels.paged_attention import paged_attention
-from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
+from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 
 TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-4),
@@ -66,9 +66,14 @@ def test_head_dim_not_power_of_two() -> None:
     _check(batch, _run_varlen(batch, 80**-0.5), 80**-0.5)
 
 
-@pytest.mark.parametrize("dtype,num_splits", [(torch.float32, 4), (torch.bfloat16, 8)])
+@pytest.mark.parametrize(
+    "dtype,num_splits",
+    [(torch.float32, 2), (torch.float32, 3), (torch.float32, 4), (torch.bfloat16, 8),
+     (torch.float32, 32)],
+)  # fmt: skip
 def test_split_kv_decode_long_context(dtype: torch.dtype, num_splits: int) -> None:
-    # Block size 4: the longest context spans 66 blocks; some requests leave segments empty.
+    # Block size 4: the longest context spans 66 blocks; some requests leave segments empty
+    # (32 splits: every request; 3: a count the reduce kernel's 32-wide tile must mask).
     batch = make_paged_batch([1, 1, 1], [150, 37, 263], 8, 2, 64, 4, dtype)
     write_step_kv(batch)
     meta = batch.metadata
@@ -80,11 +85,12 @@ def test_split_kv_decode_long_context(dtype: torch.dtype, num_splits: int) -> No
     _check(batch, output, 0.125)
 
 
-def test_split_kv_rejects_non_power_of_two() -> None:
+@pytest.mark.parametrize("num_splits", [0, MAX_NUM_SPLITS + 1])
+def test_split_kv_rejects_split_counts_out_of_range(num_splits: int) -> None:
     batch = make_paged_batch([1], [10], 2, 2, 64, 4, torch.float32)
     meta = batch.metadata
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention_split_kv(
             batch.query, batch.kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
-            meta.num_reqs, 0.125, torch.empty_like(batch.query), 3,
+            meta.num_reqs, 0.125, torch.empty_like(batch.query), num_splits,
         )  # fmt: skip

@@ -58,14 +58,19 @@ def build_runner(
     block_size: int = 4,
     num_blocks: int = 64,
     max_capture_size: int = 512,
+    piecewise_capture_sizes: tuple[int, ...] | None = None,
 ) -> ModelRunner:
-    """A loaded CPU runner (fp32) with a KV cache of ``num_blocks`` blocks."""
+    """A loaded CPU runner (fp32) with a KV cache of ``num_blocks`` blocks; PIECEWISE pads on
+    ``piecewise_capture_sizes`` where given (else the sparse default ladder)."""
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
-        compilation=CompilationConfig(max_capture_size=max_capture_size),
+        compilation=CompilationConfig(
+            max_capture_size=max_capture_size,
+            piecewise_cudagraph_capture_sizes=piecewise_capture_sizes,
+        ),
         device="cpu",
     )
     runner = ModelRunner(config, torch.device("cpu"))

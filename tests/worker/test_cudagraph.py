@@ -1,76 +1,125 @@
-"""The CUDA-graph dispatcher (padding to the next capture size, FULL only for uniform decodes),
-the capture sizes of each mode, and the FULL graphs' memory estimate."""
+"""The CUDA-graph dispatcher (padding to the next capture size of the batch's mode, FULL only
+for uniform decodes), the capture sizes of each mode, and the FULL graphs' memory estimate."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.config import default_capture_sizes
-from pagedserve.worker.cudagraph import BatchDescriptor, CudaGraphMode, dispatch, padded_size
+from pagedserve.config import default_capture_sizes, default_piecewise_capture_sizes
+from pagedserve.worker.cudagraph import (
+    BatchDescriptor,
+    CaptureLadders,
+    CudaGraphMode,
+    dispatch,
+    padded_size,
+)
 from pagedserve.worker.graph_capture import full_graph_estimate, full_sizes, piecewise_sizes
 
-H200_SIZES = default_capture_sizes(512)  # 1, 2, 4, 8..256 by 8, 272..512 by 16
+DENSE = default_capture_sizes(512)  # 1, 2, 4, 8..256 by 8, 272..512 by 16
+SPARSE = default_piecewise_capture_sizes(512)  # 2, 4, ..., 64, then by 64 to 512
+H200 = CaptureLadders(full=DENSE, piecewise=SPARSE)  # the defaults
+ONE_LADDER = CaptureLadders(full=DENSE, piecewise=DENSE)  # vLLM's (and the seed's) sizes
+FULL, PIECEWISE, NONE = CudaGraphMode.FULL, CudaGraphMode.PIECEWISE, CudaGraphMode.NONE
 
 
-def test_seed_mixed_batch_is_piecewise_304() -> None:
-    desc = dispatch(3, 300, None, H200_SIZES, enforce_eager=False)
-    assert desc == BatchDescriptor(CudaGraphMode.PIECEWISE, 304, None)
+def test_seed_mixed_batch_pads_on_the_piecewise_ladder() -> None:
+    assert dispatch(3, 300, None, ONE_LADDER, False) == BatchDescriptor(PIECEWISE, 304, None)
+    assert dispatch(3, 300, None, H200, False) == BatchDescriptor(PIECEWISE, 320, None)
 
 
-def test_uniform_decode_pads_tokens_and_requests() -> None:
-    assert dispatch(3, 3, 1, H200_SIZES, False) == BatchDescriptor(CudaGraphMode.FULL, 4, 4)
-    assert dispatch(8, 8, 1, H200_SIZES, False) == BatchDescriptor(CudaGraphMode.FULL, 8, 8)
+def test_uniform_decode_pads_tokens_and_requests_on_the_full_ladder() -> None:
+    assert dispatch(3, 3, 1, H200, False) == BatchDescriptor(FULL, 4, 4)
+    assert dispatch(8, 8, 1, H200, False) == BatchDescriptor(FULL, 8, 8)
+    assert dispatch(200, 200, 1, H200, False) == BatchDescriptor(FULL, 200, 200)
+    assert dispatch(100, 200, None, H200, False) == BatchDescriptor(PIECEWISE, 256, None)
 
 
 def test_above_largest_capture_size_runs_eagerly_unpadded() -> None:
-    assert dispatch(3, 600, None, H200_SIZES, False) == BatchDescriptor(CudaGraphMode.NONE, 600,
-                                                                         None)
-    assert dispatch(600, 600, 1, H200_SIZES, False).mode is CudaGraphMode.NONE
+    assert dispatch(3, 600, None, H200, False) == BatchDescriptor(NONE, 600, None)
+    assert dispatch(600, 600, 1, H200, False) == BatchDescriptor(NONE, 600, None)
+
+
+def test_decode_above_the_full_ladder_falls_to_piecewise() -> None:
+    ladders = CaptureLadders(full=[1, 2, 4], piecewise=[8, 64])
+    assert dispatch(6, 6, 1, ladders, False) == BatchDescriptor(PIECEWISE, 8, None)
+    assert dispatch(4, 4, 1, CaptureLadders(full=[], piecewise=[8]), False).mode is PIECEWISE
+    assert dispatch(4, 4, 1, CaptureLadders([], []), False).mode is NONE
 
 
 def test_enforce_eager_never_pads() -> None:
-    assert dispatch(3, 300, None, H200_SIZES, True) == BatchDescriptor(CudaGraphMode.NONE, 300,
-                                                                        None)
-    assert dispatch(3, 3, 1, H200_SIZES, True) == BatchDescriptor(CudaGraphMode.NONE, 3, None)
+    assert dispatch(3, 300, None, H200, True) == BatchDescriptor(NONE, 300, None)
+    assert dispatch(3, 3, 1, H200, True) == BatchDescriptor(NONE, 3, None)
 
 
 def test_prefill_of_uniform_length_is_piecewise() -> None:
     # Two requests of 5 tokens each, not decoding: uniform_decode_len is None.
-    assert dispatch(2, 10, None, H200_SIZES, False) == BatchDescriptor(
-        CudaGraphMode.PIECEWISE, 16, None)
+    assert dispatch(2, 10, None, H200, False) == BatchDescriptor(PIECEWISE, 16, None)
+    # A one-token prefill pads to the smallest PIECEWISE size (there is no size 1).
+    assert dispatch(1, 1, None, H200, False) == BatchDescriptor(PIECEWISE, 2, None)
 
 
 def test_exact_capture_size_is_not_padded() -> None:
-    assert dispatch(2, 512, None, H200_SIZES, False).num_tokens == 512
-    assert padded_size(257, H200_SIZES) == 272
-    assert padded_size(513, H200_SIZES) == 513
+    assert dispatch(2, 512, None, H200, False).num_tokens == 512
+    assert dispatch(2, 192, None, H200, False).num_tokens == 192
+    assert padded_size(257, DENSE) == 272 and padded_size(257, SPARSE) == 320
+    assert padded_size(513, DENSE) == 513
+
+
+def test_buffers_hold_the_largest_padding_of_either_ladder() -> None:
+    assert H200.max_padded_tokens(300) == 320  # a mixed batch; a decode pads to 304
+    assert H200.max_padded_tokens(70) == 128
+    assert H200.max_padded_tokens(8192) == 8192  # above both ladders: no padding
+    assert H200.max_padded_reqs(250) == 256 and H200.max_padded_reqs(1024) == 1024
+    assert CaptureLadders(full=[8], piecewise=[64]).max_padded_reqs(5) == 8  # FULL pads requests
+
+
+def test_ladders_must_be_ascending_and_distinct() -> None:
+    with pytest.raises(ValueError, match="piecewise"):
+        CaptureLadders(full=DENSE, piecewise=[64, 8])
+    with pytest.raises(ValueError, match="full"):
+        CaptureLadders(full=[8, 8], piecewise=SPARSE)
+
+
+def test_ladder_of_each_mode() -> None:
+    assert H200.ladder(FULL) == DENSE
+    assert H200.ladder(PIECEWISE) == SPARSE and H200.ladder(NONE) == SPARSE
 
 
 def test_bad_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="dispatch"):
-        dispatch(0, 0, None, H200_SIZES, False)
+        dispatch(0, 0, None, H200, False)
     with pytest.raises(ValueError, match="dispatch"):
-        dispatch(4, 3, None, H200_SIZES, False)
+        dispatch(4, 3, None, H200, False)
 
 
 # ---- capture sizes and the FULL-graph memory estimate (worker/graph_capture.py) ----------------
 
 
 def test_full_sizes_fit_slots_tokens_and_blocks_largest_first() -> None:
-    assert full_sizes(H200_SIZES, max_num_reqs=64, max_num_batched_tokens=8192,
+    assert full_sizes(DENSE, max_num_reqs=64, max_num_batched_tokens=8192,
                       usable_blocks=10_000)[:3] == [64, 56, 48]
-    assert full_sizes(H200_SIZES, 256, 8192, 10_000)[0] == 256
-    assert full_sizes(H200_SIZES, 256, 8192, usable_blocks=20) == [16, 8, 4, 2, 1]
-    assert full_sizes(H200_SIZES, 256, max_num_batched_tokens=3, usable_blocks=99) == [2, 1]
+    assert full_sizes(DENSE, 256, 8192, 10_000)[0] == 256
+    assert full_sizes(DENSE, 256, 8192, usable_blocks=20) == [16, 8, 4, 2, 1]
+    assert full_sizes(DENSE, 256, max_num_batched_tokens=3, usable_blocks=99) == [2, 1]
 
 
 def test_piecewise_sizes_skip_one_and_fit_budget_context_and_blocks() -> None:
-    sizes = piecewise_sizes(H200_SIZES, 8192, 4096, usable_blocks=10_000, block_size=16)
+    sizes = piecewise_sizes(DENSE, 8192, 4096, usable_blocks=10_000, block_size=16)
     assert sizes[0] == 512 and sizes[-1] == 2 and 1 not in sizes
-    assert len(sizes) == len(H200_SIZES) - 1
-    assert piecewise_sizes(H200_SIZES, 8192, max_model_len=20, usable_blocks=99,
+    assert len(sizes) == len(DENSE) - 1
+    assert piecewise_sizes(DENSE, 8192, max_model_len=20, usable_blocks=99,
                            block_size=16) == [16, 8, 4, 2]
-    assert piecewise_sizes(H200_SIZES, 8192, 4096, usable_blocks=2, block_size=16)[0] == 32
+    assert piecewise_sizes(DENSE, 8192, 4096, usable_blocks=2, block_size=16)[0] == 32
+    assert piecewise_sizes(SPARSE, 8192, max_model_len=300, usable_blocks=99,
+                           block_size=16) == [256, 192, 128, 64, 32, 16, 8, 4, 2]
+
+
+def test_llama_8b_shape_capture_counts() -> None:
+    """The 8B shape's defaults (max_num_seqs 256, max_num_batched_tokens 8192, context 8192):
+    35 FULL graphs, and 13 PIECEWISE sizes (x 33 pieces = 429 graphs, down from 50 sizes)."""
+    assert len(full_sizes(H200.full, 256, 8192, usable_blocks=100_000)) == 35
+    sizes = piecewise_sizes(H200.piecewise, 8192, 8192, usable_blocks=100_000, block_size=16)
+    assert sizes == [512, 448, 384, 320, 256, 192, 128, 64, 32, 16, 8, 4, 2]
 
 
 def test_full_graph_estimate_is_first_capture_plus_per_graph_times_the_rest() -> None:

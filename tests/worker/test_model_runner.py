@@ -112,6 +112,22 @@ def test_uniform_decode_pads_tokens_to_the_full_descriptor(make_runner: RunnerFa
     assert stops["forward"]["hidden_states"].shape[0] == 4
 
 
+def test_mixed_batch_pads_on_the_sparse_piecewise_ladder(make_runner: RunnerFactory) -> None:
+    # 70 tokens: FULL would pad to 72, PIECEWISE pads to 128; the buffers hold the larger.
+    runner = make_runner(max_num_batched_tokens=70, block_size=BLOCK_SIZE)
+    assert runner.max_num_tokens == 128 and runner.buffers.input_ids.shape[0] >= 128
+    runner.tracer = tracer = RecordingTracer()
+    sched = HandScheduler(BLOCK_SIZE)
+    runner.execute_model(sched.step(new=[("A", _prompt(69, 1), 69), ("B", [5], 1)]))
+    assert len(runner.sample_tokens().req_ids) == 2
+    stops = tracer.stops
+    assert stops["batch"]["descriptor"] == {"mode": "PIECEWISE", "num_tokens": 128,
+                                            "num_reqs": None}
+    assert stops["batch"]["capture_sizes"][-3:] == [384, 448, 512]  # the sparse ladder
+    assert stops["inputs"]["is_padding"].tolist() == [False] * 70 + [True] * 58
+    assert stops["forward"]["hidden_states"].shape[0] == 128
+
+
 def test_finished_requests_free_their_slots(make_runner: RunnerFactory) -> None:
     runner = make_runner(max_num_seqs=2, block_size=BLOCK_SIZE)
     sched = HandScheduler(BLOCK_SIZE)

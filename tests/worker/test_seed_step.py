@@ -1,6 +1,8 @@
 """The seed's step, stop by stop, read through the runner's trace hook.
 
-Block size 16, 1024 request slots, H200 capture sizes. R1 (540-token prompt) and R2 (129) are
+Block size 16, 1024 request slots, H200 capture sizes on one ladder for both modes, as in the
+seed (vLLM pads PIECEWISE on the dense FULL ladder; pagedserve's default PIECEWISE ladder is
+sparser, see tests/worker/test_cudagraph.py). R1 (540-token prompt) and R2 (129) are
 prefilled in a first step, so the seed step finds them decoding at 540 and 129 computed tokens
 while R3 arrives with a 298-token prompt.
 """
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from pagedserve.attention.backends.base import PAD_SLOT_ID
+from pagedserve.config import default_capture_sizes
 from pagedserve.worker.tracer import RecordingTracer
 from tests.worker.conftest import TINY_LLAMA, build_runner
 from tests.worker.hand_plans import HandScheduler
@@ -23,7 +26,8 @@ BLOCK_SIZE = 16
 @pytest.fixture(scope="module")
 def seed_trace(tiny_llama_dir: Path) -> dict:
     runner = build_runner(tiny_llama_dir, max_num_seqs=1024, max_num_batched_tokens=1024,
-                          block_size=BLOCK_SIZE, num_blocks=80)
+                          block_size=BLOCK_SIZE, num_blocks=80,
+                          piecewise_capture_sizes=tuple(default_capture_sizes(512)))
     gen = torch.Generator().manual_seed(1)
     prompts = {r: torch.randint(0, TINY_LLAMA["vocab_size"], (n,), generator=gen).tolist()
                for r, n in (("R1", 540), ("R2", 129), ("R3", 298))}

@@ -13,9 +13,8 @@ from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.kernels.attention_common import check_attention_args
 from pagedserve.kernels.kv_write import write_kv
 from pagedserve.kernels.paged_attention import paged_attention
-from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
+from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 
-_MAX_SPLITS = 32
 # Programs per streaming multiprocessor the split-KV path aims for.
 _PROGRAMS_PER_SM = 4
 # Program count assumed where no CUDA device tells its SM count (interpreter runs).
@@ -37,10 +36,11 @@ def choose_num_splits(
     min_keys_per_split: int,
 ) -> int:
     """Segments per request for a decode batch: enough programs to fill the GPU, each with at
-    least ``min_keys_per_split`` keys of the longest context; a power of two, at most 32."""
+    least ``min_keys_per_split`` keys of the longest context; a power of two, at most
+    ``MAX_NUM_SPLITS`` (32). Every count runs the same compiled split-KV kernels."""
     by_occupancy = target_programs // max(1, num_reqs * num_kv_heads)
     by_length = max_seq_len // max(1, min_keys_per_split)
-    wanted = min(_MAX_SPLITS, by_occupancy, by_length)
+    wanted = min(MAX_NUM_SPLITS, by_occupancy, by_length)
     if wanted < 2:
         return 1
     return 1 << (wanted.bit_length() - 1)
