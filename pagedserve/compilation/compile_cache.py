@@ -40,11 +40,24 @@ def use_compile_cache_dir() -> Path:
 
     Called once at start-up, before the first compile (Inductor reads the variable whenever
     it opens its cache)."""
-    if not os.environ.get(INDUCTOR_CACHE_ENV):
+    if not _user_chose_cache_dir(os.environ):
         os.environ[INDUCTOR_CACHE_ENV] = str(default_compile_cache_dir(os.environ))
     path = Path(os.environ[INDUCTOR_CACHE_ENV])
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _user_chose_cache_dir(env: Mapping[str, str]) -> bool:
+    """Whether ``TORCHINDUCTOR_CACHE_DIR`` is the user's. Importing ``torch._dynamo`` (torch
+    2.13) sets it to Inductor's own default when unset, which is not a choice."""
+    chosen = env.get(INDUCTOR_CACHE_ENV)
+    if not chosen:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # an older torch: it does not set the variable on import either
+        return True
+    return os.path.abspath(chosen) != os.path.abspath(default_cache_dir())
 
 
 _COUNTERS = (

@@ -14,13 +14,22 @@ the attention layers, the stream, the inputs' sizes) sends Dynamo back to tracin
 calls need no marks. The first call, which compiles, is timed and logged with the compile
 cache's hits and misses (``compile_stats``); the backend refuses a second trace (see
 ``PiecewiseBackend``).
+
+The first call skips Dynamo when a saved forward of this model exists (``aot_forward``: torch's
+AOT compile, keyed by ``aot_key``); otherwise it traces through ``aot_compile`` and saves one.
+The backend builds its pieces and graph wrappers the same way on every path. If the saved path
+fails in any way, one warning is logged and Dynamo's JIT compile (``torch.compile``) runs as
+before; ``PAGEDSERVE_AOT_COMPILE=0`` skips the saved path altogether.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.compilation.aot_forward import (
+    SavedForwardError,
+    SavedForwards,
+    aot_enabled,
+    keep_graph,
+)
+from pagedserve.compilation.aot_key import forward_key, key_factors
 from pagedserve.compilation.backend import PiecewiseBackend
 from pagedserve.compilation.compile_cache import (
     CacheCounts,
@@ -53,6 +69,14 @@ def _own_forward(model: nn.Module) -> Any:
     return types.MethodType(own, model)
 
 
+def _aot_compile_enabled() -> Any:
+    """torch.compile attaches ``aot_compile`` to what it returns only with Dynamo's
+    ``enable_aot_compile`` (on by default from torch 2.10; absent before 2.9)."""
+    if not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(enable_aot_compile=True)
+
+
 def _no_guards(guard_entries: list[Any]) -> list[bool]:
     """Dynamo guard filter: keep none. The runner always calls with int token ids and int64
     positions of one dynamic length under inference mode; the model's modules never change
@@ -76,14 +100,19 @@ class CompileStats:
 class CompiledForward:
     def __init__(self, model: nn.Module, piece_compiler: str, use_cuda_graphs: bool) -> None:
         self.model = model
+        self.piece_compiler = piece_compiler
         self.cache_dir = use_compile_cache_dir() if piece_compiler == "inductor" else None
         self.graph_pool = GraphPool() if use_cuda_graphs else None
         self.backend = PiecewiseBackend(piece_compiler, self.graph_pool)
-        self.compiled = torch.compile(_own_forward(model), backend=self.backend, fullgraph=True,
-                                      options={"guard_filter_fn": _no_guards})
+        self.saved = SavedForwards(use_compile_cache_dir()) if aot_enabled(os.environ) else None
+        """Where saved forwards live; None: off (``PAGEDSERVE_AOT_COMPILE=0``)."""
+        self.forward: Callable[..., Any] | None = None
+        """Set by the first call: the saved (loaded or AOT-traced) forward, or Dynamo's."""
+        self.aot_artifact: Path | None = None
+        """The saved forward the first call loaded (Dynamo skipped), else None."""
         self.full_graph: CUDAGraphWrapper | None = None
         if self.graph_pool is not None:
-            self.full_graph = CUDAGraphWrapper(self.compiled, "FULL", self.graph_pool, "full")
+            self.full_graph = CUDAGraphWrapper(self._run, "FULL", self.graph_pool, "full")
         self.compile_stats: CompileStats | None = None
         """Set by the first call (the compile)."""
 
@@ -92,13 +121,18 @@ class CompiledForward:
             return self._first_call(input_ids, positions)
         if self.full_graph is not None:
             return self.full_graph(input_ids, positions)
-        return self.compiled(input_ids, positions)
+        return self._run(input_ids, positions)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        assert self.forward is not None  # set by the first call
+        return self.forward(input_ids, positions)
 
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         before, start = read_cache_counts(), time.perf_counter()
-        output = self.compiled(input_ids, positions)
+        self.forward = self._compile((input_ids, positions))
+        output = self.forward(input_ids, positions)
         stats = CompileStats(
             seconds=time.perf_counter() - start,
             backend_seconds=self.backend.compile_seconds,
@@ -108,10 +142,53 @@ class CompiledForward:
             cache_dir=self.cache_dir,
         )
         self.compile_stats = stats
+        self._log_compile(stats)
+        return output
+
+    def _compile(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., Any]:
+        """The saved forward (loaded, or traced and saved), else Dynamo's JIT compile. Every
+        failure of the saved path logs one warning and falls back to the next."""
+        if self.saved is not None:
+            try:
+                key = forward_key(key_factors(self.model, self.piece_compiler, inputs))
+                return self._saved_forward(self.saved, key, inputs)
+            except (SavedForwardError, ValueError) as e:
+                logger.warning("saved forward not used, Dynamo traces: %s", e)
+                self.backend = PiecewiseBackend(self.piece_compiler, self.graph_pool)
+        return self._dynamo(self.backend)
+
+    def _saved_forward(self, saved: SavedForwards, key: str,
+                       inputs: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., Any]:
+        try:
+            loaded = saved.load(key, self.model, self.backend)
+        except SavedForwardError as e:
+            logger.warning("%s; Dynamo traces", e)
+            self.backend = PiecewiseBackend(self.piece_compiler, self.graph_pool)
+            loaded = None
+        if loaded is not None:
+            self.aot_artifact = saved.path(key)
+            return loaded
+        forward, save_error = saved.trace(self._dynamo(keep_graph), key, self.model, inputs,
+                                          self.backend)
+        if save_error is not None:
+            logger.warning("saved forward: %s; the next start traces again", save_error)
+        return forward
+
+    def _dynamo(self, backend: Any) -> Any:
+        """torch.compile of this model's own forward (see ``_own_forward``), guard-free."""
+        with _aot_compile_enabled():
+            return torch.compile(_own_forward(self.model), backend=backend, fullgraph=True,
+                                 options={"guard_filter_fn": _no_guards})
+
+    def _log_compile(self, stats: CompileStats) -> None:
         c = stats.cache
+        if self.aot_artifact is not None:
+            dynamo = f"Dynamo skipped (AOT artifact {self.aot_artifact})"
+        else:
+            dynamo = f"Dynamo {stats.seconds - stats.backend_seconds:.1f} s"
         log_phase(
             logger, "compile", stats.seconds,
-            f"Dynamo {stats.seconds - stats.backend_seconds:.1f} s, backend "
+            f"{dynamo}, backend "
             f"{stats.backend_seconds:.1f} s for {stats.num_distinct_pieces} distinct of "
             f"{self.backend.num_pieces - self.backend.num_attention_pieces} compute pieces; "
             f"AOT-autograd cache {c.aot_hits} hits / {c.aot_misses} "
@@ -120,8 +197,8 @@ class CompiledForward:
             backend_seconds=stats.backend_seconds, aot_hits=c.aot_hits, aot_misses=c.aot_misses,
             fx_hits=c.fx_hits, fx_misses=c.fx_misses, fx_bypasses=c.fx_bypasses,
             distinct_pieces=stats.num_distinct_pieces, pieces=stats.num_pieces,
+            dynamo_skipped=self.aot_artifact is not None,
         )  # fmt: skip
-        return output
 
     @property
     def piecewise_wrappers(self) -> list[CUDAGraphWrapper]:

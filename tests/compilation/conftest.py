@@ -1,5 +1,9 @@
 """Fixtures of the compilation tests: a 4-layer tiny Llama (so it has repeated middle pieces)
-and CPU runners on it, compiled or eager."""
+and CPU runners on it, compiled or eager.
+
+Every test gets its own compile cache directory, and saved forwards are off unless a test turns
+them on (``aot_cache``): the other tests pin Dynamo's JIT path (one trace per CompiledForward),
+which a saved forward from an earlier test would skip."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pagedserve.compilation import compile_cache
+from pagedserve.compilation.aot_forward import AOT_ENV
 from pagedserve.config import (
     CacheConfig,
     CompilationConfig,
@@ -55,3 +61,21 @@ def _runner(model_dir: Path, mode: str) -> ModelRunner:
 def deep_runner(deep_llama_dir: Path) -> Callable[[str], ModelRunner]:
     """``deep_runner("compile")`` / ``deep_runner("none")``: a CPU runner, 64 blocks of 4."""
     return functools.partial(_runner, deep_llama_dir)
+
+
+@pytest.fixture(autouse=True)
+def _private_compile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh ``XDG_CACHE_HOME`` per test (Inductor's directory follows it), saved forwards
+    off."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(compile_cache.INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv(AOT_ENV, "0")
+    return tmp_path / "xdg"
+
+
+@pytest.fixture
+def aot_cache(_private_compile_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Saved forwards on; returns the folder they are saved in."""
+    monkeypatch.setenv(AOT_ENV, "1")
+    return compile_cache.default_compile_cache_dir(
+        {"XDG_CACHE_HOME": str(_private_compile_cache)}) / "aot_forward"

@@ -1,0 +1,65 @@
+"""The saved forward's key: equal for the same model and inputs, different when anything that
+changes the trace differs."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from pagedserve.compilation.aot_key import forward_key, hash_sources, key_factors
+from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
+from tests.compilation.conftest import DEEP_LLAMA
+
+
+class _Model(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype,
+                 tp: TensorParallelGroup = SINGLE_RANK) -> None:
+        super().__init__()
+        self.config, self.tp = config, tp
+        self.weight = nn.Parameter(torch.zeros(2, dtype=dtype))
+
+
+INPUTS = (torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
+
+
+def _key(model: nn.Module, piece_compiler: str = "inductor", inputs=INPUTS) -> str:
+    return forward_key(key_factors(model, piece_compiler, inputs))
+
+
+def test_same_model_same_key_and_every_factor_changes_it() -> None:
+    config = LlamaConfig(**DEEP_LLAMA)
+    base = _key(_Model(config, torch.float32))
+    assert base == _key(_Model(LlamaConfig(**DEEP_LLAMA), torch.float32))
+    deeper = LlamaConfig(**{**DEEP_LLAMA, "num_hidden_layers": 5})
+    others = [
+        _key(_Model(deeper, torch.float32)),
+        _key(_Model(config, torch.bfloat16)),
+        _key(_Model(config, torch.float32, TensorParallelGroup(1, 2, "0"))),
+        _key(_Model(config, torch.float32), piece_compiler="eager"),
+        _key(_Model(config, torch.float32), inputs=(INPUTS[0].long(), INPUTS[1])),
+    ]
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_the_token_count_is_not_in_the_key() -> None:
+    model = _Model(LlamaConfig(**DEEP_LLAMA), torch.float32)
+    longer = (torch.zeros(9, dtype=torch.int32), torch.zeros(9, dtype=torch.int64))
+    assert _key(model) == _key(model, inputs=longer)
+
+
+def test_source_hash_follows_the_traced_files(tmp_path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "llama.py").write_text("x = 1\n")
+    (tmp_path / "layer.py").write_text("y = 1\n")
+    paths = ("model", "layer.py")
+    before = hash_sources(tmp_path, paths)
+    (tmp_path / "model" / "llama.py").write_text("x = 2\n")
+    assert hash_sources(tmp_path, paths) != before
+
+
+def test_a_model_without_a_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="config"):
+        key_factors(nn.Linear(2, 2), "eager", INPUTS)
