@@ -15,6 +15,7 @@ Two comparisons, each printed with its dtypes:
 
 Every run is a fresh process (``spawn``): our engine tunes its process at start-up (torch
 threads, glibc malloc), and one run must not inherit another's settings, memory or caches.
+``--one-process`` runs them all side by side in this process instead, transformers first.
 All runs use the same torch thread count (``--threads``; default: the engine's CPU policy,
 the cores other processes leave idle). The load average is printed around each run: on a
 shared machine, compare runs made under similar load.
@@ -22,6 +23,7 @@ shared machine, compare runs made under similar load.
     python benchmarks/cpu_vs_transformers.py            # 64 prompts x 128 in, 128 out
     python benchmarks/cpu_vs_transformers.py --num-prompts 8 --output-len 16   # a quick look
     python benchmarks/cpu_vs_transformers.py --dtype float32 --json out.json
+    python benchmarks/cpu_vs_transformers.py --one-process
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ def parse_args() -> argparse.Namespace:
         help="torch threads for every run (0: the idle cores, as the engine's CPU policy)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run everything in this process, transformers first (default: a fresh process "
+        "per run, so no run inherits another's thread pool, allocator state or caches)",
+    )
     return p.parse_args()
 
 
@@ -167,6 +175,10 @@ def in_fresh_process(fn: Callable[..., Run], *args: object) -> Run:
         return pool.submit(fn, *args).result()
 
 
+def in_this_process(fn: Callable[..., Run], *args: object) -> Run:
+    return fn(*args)
+
+
 def ratio_line(label: str, ours: Run, theirs: Run) -> str:
     ratio = ours.tokens_per_s / theirs.tokens_per_s
     return (
@@ -193,18 +205,20 @@ def main() -> None:
         f"greedy, EOS ignored, {threads} threads; load average {load_average()}"
     )
     # key -> (runner, dtype argument). A run both comparisons need happens once: transformers'
-    # default run comes first and also stands for its dtype.
+    # default run comes first and also stands for its dtype. Transformers runs before ours: in
+    # one process, our engine's start-up tuning (threads, malloc) must not help or hurt it.
     plan = {
-        ("pagedserve", same): (run_pagedserve, same),
-        ("pagedserve", ours_default): (run_pagedserve, "auto"),
         ("transformers", "default"): (run_transformers, None),
         ("transformers", same): (run_transformers, same),
+        ("pagedserve", same): (run_pagedserve, same),
+        ("pagedserve", ours_default): (run_pagedserve, "auto"),
     }
+    execute = in_this_process if args.one_process else in_fresh_process
     runs: dict[tuple[str, str], Run] = {}
     for key, (fn, dtype) in plan.items():
         if key in runs:
             continue
-        run = in_fresh_process(fn, dtype, work)
+        run = execute(fn, dtype, work)
         print(
             f"  {run.engine:12s} {run.dtype:8s}: {run.seconds:7.1f} s {run.tokens_per_s:8.1f} "
             f"output tok/s  (load {run.load_before} -> {run.load_after})",
