@@ -109,10 +109,7 @@ async function send() {
   try {
     const answer = await streamChat({
       messages, model: state.model, fields, signal: state.controller.signal,
-      onUpdate: (partial) => {
-        view.content.textContent = partial.text;
-        scrollToEnd(false);
-      },
+      onUpdate: (partial) => streamInto(view, partial),
     });
     showAnswer(view, answer);
     // A stopped answer stays in the conversation as far as it got.
@@ -122,11 +119,31 @@ async function send() {
     view.content.textContent = err.message;
     if (err.isAuth) showKeyNeeded(true);
   } finally {
+    view.done = true; // a frame still scheduled by streamInto must not write any more
     view.article.classList.remove("streaming");
     state.controller = null;
     setStreaming(false);
     $("prompt").focus();
   }
+}
+
+/** Shows a streaming answer at most once per frame, appending only the text that is new since
+ *  the last frame. Rewriting the whole text on every chunk is quadratic: on a fast stream
+ *  (thousands of tokens a second) it kept the page too busy to handle a click on Stop.
+ *  ``partial`` is the answer object the stream keeps growing, so a frame shows its latest text. */
+function streamInto(view, partial) {
+  if (view.framePending) return;
+  view.framePending = true;
+  requestAnimationFrame(() => {
+    view.framePending = false;
+    if (view.done) return;
+    const shown = view.shownLength || 0;
+    if (partial.text.length > shown) {
+      view.content.append(partial.text.slice(shown));
+      view.shownLength = partial.text.length;
+    }
+    scrollToEnd(false);
+  });
 }
 
 function showAnswer(view, answer) {
