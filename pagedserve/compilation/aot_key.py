@@ -47,11 +47,16 @@ def hash_sources(package_dir: Path, paths: tuple[str, ...]) -> str:
     return digest.hexdigest()
 
 
+_WHERE_FROM = ("_name_or_path", "_commit_hash")
+"""Config entries naming where a checkpoint came from, not what it computes: a copy of a model
+in another folder (or a dummy-weight run from a fresh temporary folder) shares its forward."""
+
+
 def _hf_config(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"model: {type(model).__name__} has no Hugging Face config (.config)")
-    return config.to_dict()
+    return {k: v for k, v in config.to_dict().items() if k not in _WHERE_FROM}
 
 
 def _tensor_parallel(model: nn.Module) -> list[Any]:

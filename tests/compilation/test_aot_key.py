@@ -44,6 +44,15 @@ def test_same_model_same_key_and_every_factor_changes_it() -> None:
     assert len({base, *others}) == len(others) + 1
 
 
+def test_the_checkpoint_folder_is_not_in_the_key() -> None:
+    """The same config loaded from two folders (a copy, or two dummy-weight runs from fresh
+    temporary folders) traces the same forward."""
+    here = LlamaConfig(**DEEP_LLAMA, name_or_path="/models/a")
+    there = LlamaConfig(**DEEP_LLAMA, name_or_path="/tmp/copy-of-a")
+    assert here.to_dict()["_name_or_path"] != there.to_dict()["_name_or_path"]
+    assert _key(_Model(here, torch.float32)) == _key(_Model(there, torch.float32))
+
+
 def test_the_token_count_is_not_in_the_key() -> None:
     model = _Model(LlamaConfig(**DEEP_LLAMA), torch.float32)
     longer = (torch.zeros(9, dtype=torch.int32), torch.zeros(9, dtype=torch.int64))
