@@ -103,7 +103,7 @@ class CompiledForward:
         self.piece_compiler = piece_compiler
         self.cache_dir = use_compile_cache_dir() if piece_compiler == "inductor" else None
         self.graph_pool = GraphPool() if use_cuda_graphs else None
-        self.backend = PiecewiseBackend(piece_compiler, self.graph_pool)
+        self.backend = self._new_backend()
         self.saved = SavedForwards(use_compile_cache_dir()) if aot_enabled(os.environ) else None
         """Where saved forwards live; None: off (``PAGEDSERVE_AOT_COMPILE=0``)."""
         self.forward: Callable[..., Any] | None = None
@@ -154,7 +154,7 @@ class CompiledForward:
                 return self._saved_forward(self.saved, key, inputs)
             except (SavedForwardError, ValueError) as e:
                 logger.warning("saved forward not used, Dynamo traces: %s", e)
-                self.backend = PiecewiseBackend(self.piece_compiler, self.graph_pool)
+                self.backend = self._new_backend()
         return self._dynamo(self.backend)
 
     def _saved_forward(self, saved: SavedForwards, key: str,
@@ -163,7 +163,7 @@ class CompiledForward:
             loaded = saved.load(key, self.model, self.backend)
         except SavedForwardError as e:
             logger.warning("%s; Dynamo traces", e)
-            self.backend = PiecewiseBackend(self.piece_compiler, self.graph_pool)
+            self.backend = self._new_backend()
             loaded = None
         if loaded is not None:
             self.aot_artifact = saved.path(key)
@@ -173,6 +173,11 @@ class CompiledForward:
         if save_error is not None:
             logger.warning("saved forward: %s; the next start traces again", save_error)
         return forward
+
+    def _new_backend(self) -> PiecewiseBackend:
+        """A backend with no pieces yet (after a failed path, which may have bound the previous
+        one to its graph, the next path starts from a fresh one)."""
+        return PiecewiseBackend(self.piece_compiler, self.graph_pool)
 
     def _dynamo(self, backend: Any) -> Any:
         """torch.compile of this model's own forward (see ``_own_forward``), guard-free."""

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.backends.cpu_native import SUPPORTED_DTYPES, PagedDecodeKernel
+from pagedserve.attention.backends.cpu_native import (
+    PagedDecodeKernel,
+    has_copy_for,
+    heads_packed,
+)
 from pagedserve.attention.backends.torch_ref import TorchRefBackend, _DecodePlan
 
 
@@ -28,8 +32,7 @@ class CpuBackend(TorchRefBackend):
         scale: float,
         output: torch.Tensor,  # [num_tokens, Hq, D]
     ) -> None:
-        packed = query.stride(2) == 1 and query.stride(1) == query.shape[2]
-        if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != query.dtype or not packed:
+        if not (has_copy_for(query.dtype, kv_cache.dtype) and heads_packed(query)):
             super()._decode(query, kv_cache, plan, scale, output)  # fp16, odd strides
             return
         self.kernel(query, kv_cache, plan.rows, plan.block_table, plan.seq_lens, scale, output)

@@ -111,7 +111,7 @@ class TorchRefBackend:
         output: torch.Tensor,  # [num_tokens, Hq, D]
     ) -> None:
         """Every decoding request's row at once (a subclass replaces this with a kernel)."""
-        output[plan.rows] = _decode(query, kv_cache, plan, scale)
+        output[plan.rows] = _padded_decode(query, kv_cache, plan, scale)
 
     def _plan(
         self, metadata: AttentionMetadata, block_size: int, device: torch.device
@@ -189,7 +189,7 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
     return kv_cache.index_select(1, block_ids)
 
 
-def _decode(
+def _padded_decode(
     query: torch.Tensor,  # [num_tokens, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     plan: _DecodePlan,

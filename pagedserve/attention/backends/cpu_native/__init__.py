@@ -118,13 +118,23 @@ class PagedDecodeKernel:
             raise MemoryError("paged_decode_attention: no thread could allocate its scratch")
 
 
+def has_copy_for(dtype: torch.dtype, *others: torch.dtype) -> bool:
+    """Whether the kernel has a compiled copy for ``dtype`` and every tensor shares it."""
+    return dtype in SUPPORTED_DTYPES and all(other == dtype for other in others)
+
+
+def heads_packed(x: torch.Tensor) -> bool:
+    """[rows, heads, head_dim] with head_dim contiguous and the heads back to back (any row
+    stride): the layout the kernel indexes."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def _check(query, kv_cache, rows, block_table, seq_lens, output) -> None:  # noqa: ANN001
     """The kernel trusts its pointers: everything it assumes is checked here."""
-    if query.dtype not in SUPPORTED_DTYPES or {kv_cache.dtype, output.dtype} != {query.dtype}:
+    if not has_copy_for(query.dtype, kv_cache.dtype, output.dtype):
         raise ValueError(f"query/kv_cache/output: dtypes {query.dtype}/{kv_cache.dtype}/"
                          f"{output.dtype}; one of {SUPPORTED_DTYPES} for all three")  # fmt: skip
-    if query.stride(2) != 1 or query.stride(1) != query.shape[2] or output.stride(2) != 1 \
-            or output.stride(1) != output.shape[2] or output.shape != query.shape:  # fmt: skip
+    if not (heads_packed(query) and heads_packed(output)) or output.shape != query.shape:
         raise ValueError("query/output: [rows, heads, head_dim] with heads and head_dim packed")
     if not kv_cache[0, 0].is_contiguous():
         raise ValueError("kv_cache: each block must be contiguous [block_size, Hkv, D]")
