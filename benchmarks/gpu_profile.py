@@ -33,6 +33,7 @@ CONFIGS = Path(__file__).resolve().parent / "model-configs"
 
 # Kernel name -> category, first match wins (names from cuBLAS, Triton, Inductor and NCCL).
 CATEGORIES = [
+    ("gemv (with norm, rotary + KV write, SiLU, residual)", re.compile(r"_gemv_kernel")),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|splitK", re.I)),
     ("attention", re.compile(r"paged_attention|split_kv|reduce_splits", re.I)),
     ("kv_write", re.compile(r"kv_write", re.I)),

@@ -66,12 +66,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--sections", default="tiny,b1,b64,t1024,t2048,warm,qwen3,t1000")
+    parser.add_argument("--one-token-step", choices=("gemv", "compiled"), default="gemv",
+                        help="how the 8B engine runs batch-1 decode steps (engine option)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite, work, wanted = Suite(out), Path(tempfile.mkdtemp()), args.sections.split(",")
     llama = ["--model", model_dir(work, "llama-3-8b.json"), *COMMON]
-    engine = [*llama, "--gpu-memory-utilization", "0.6", "--max-num-seqs", "256"]
+    engine = [*llama, "--gpu-memory-utilization", "0.6", "--max-num-seqs", "256",
+              "--one-token-step", args.one_token_step]
 
     if "tiny" in wanted:
         suite.run("tiny.async_greedy_equal", tiny_check, work)

@@ -145,6 +145,11 @@ class CompilationConfig:
     any device (graphs on GPUs only); none: eager."""
     piece_compiler: Literal["inductor", "eager"] = "inductor"
     """How each piece between attention ops is compiled (eager: traced FX code as it is)."""
+    one_token_step: Literal["gemv", "compiled"] = "gemv"
+    """How a one-token step (batch-1 decode) runs in its CUDA graph: gemv, on the fused GEMV
+    kernels (RMSNorm, rotary embedding, KV write, residual and SiLU-and-mul inside the weight
+    reads; Llama-family models on one GPU, others fall back); compiled, like every other
+    batch."""
     max_capture_size: int = 512
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     """Explicit capture sizes of both modes (FULL and PIECEWISE); default: FULL
@@ -162,6 +167,8 @@ class CompilationConfig:
                 sizes is None or all(s >= 1 for s in sizes),
                 f"{name}: every size must be >= 1, got {sizes}",
             )
+        _check(self.one_token_step in ("gemv", "compiled"),
+               f"one_token_step: {self.one_token_step!r} is not gemv or compiled")
         _check(self.mode in ("auto", "compile", "none"), f"mode: {self.mode!r} is not auto, compile or none")
         _check(
             self.piece_compiler in ("inductor", "eager"),

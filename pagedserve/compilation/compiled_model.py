@@ -98,8 +98,11 @@ class CompileStats:
 
 
 class CompiledForward:
-    def __init__(self, model: nn.Module, piece_compiler: str, use_cuda_graphs: bool) -> None:
+    def __init__(self, model: nn.Module, piece_compiler: str, use_cuda_graphs: bool,
+                 one_token_forward: Callable[..., Any] | None = None) -> None:
         self.model = model
+        self.one_token_forward = one_token_forward
+        """Runs one-token steps in place of the compiled forward (``model/gemv_decode.py``)."""
         self.piece_compiler = piece_compiler
         self.cache_dir = use_compile_cache_dir() if piece_compiler == "inductor" else None
         self.graph_pool = GraphPool() if use_cuda_graphs else None
@@ -112,7 +115,7 @@ class CompiledForward:
         """The saved forward the first call loaded (Dynamo skipped), else None."""
         self.full_graph: CUDAGraphWrapper | None = None
         if self.graph_pool is not None:
-            self.full_graph = CUDAGraphWrapper(self._run, "FULL", self.graph_pool, "full")
+            self.full_graph = CUDAGraphWrapper(self._run_full, "FULL", self.graph_pool, "full")
         self.compile_stats: CompileStats | None = None
         """Set by the first call (the compile)."""
 
@@ -126,6 +129,13 @@ class CompiledForward:
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         assert self.forward is not None  # set by the first call
         return self.forward(input_ids, positions)
+
+    def _run_full(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        """What the FULL graph captures: the one-token forward for one token (when there is
+        one), else the compiled forward. Outside FULL mode the wrapper runs this too."""
+        if self.one_token_forward is not None and input_ids.shape[0] == 1:
+            return self.one_token_forward(input_ids, positions)
+        return self._run(input_ids, positions)
 
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)

@@ -10,6 +10,8 @@ and copies the result to the host (13-14).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,9 @@ from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, pla
 from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
 from pagedserve.worker.tracer import NullTracer, Tracer
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -130,8 +135,22 @@ class ModelRunner:
         if compilation.uses_compile(self.device.type):
             self.compiled_forward = CompiledForward(
                 self.model, compilation.piece_compiler,
-                use_cuda_graphs=compilation.uses_cuda_graphs(self.device.type))
+                use_cuda_graphs=compilation.uses_cuda_graphs(self.device.type),
+                one_token_forward=self._one_token_forward())
             self.forward_fn = self.compiled_forward
+
+    def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
+        """The fused GEMV forward for one-token steps, where configured and supported (CUDA:
+        its kernels are Triton's; on the CPU the compiled forward serves every step)."""
+        if self.config.compilation.one_token_step != "gemv" or self.device.type != "cuda":
+            return None
+        from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
+
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            logger.info("one-token steps run the compiled forward: %s", reason)
+            return None
+        return GemvDecodeForward(self.model)
 
     def capture_graphs(self) -> dict[str, list[int]]:
         """Capture the FULL and PIECEWISE graphs (CUDA only; after the KV cache exists)."""
