@@ -25,37 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from graph_timing import COPY_BANDWIDTH, graph_time_ms
+
 from pagedserve.kernels import gemv
 
-COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device copy on the H200 (issue 11)
 LAYERS = 32
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 LM_HEAD = (128256, 4096)
-
-
-def graph_time_ms(fn, reps: int = 20) -> float:
-    """Median ms of one replay of a graph of ``fn`` (after one eager warm-up)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def configs(quick: bool) -> list[gemv.GemvConfig]:

@@ -158,13 +158,16 @@ def main() -> None:
     parser.add_argument("--config", default="llama-3-8b.json")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--scenarios", default="b1,b64,b256,prefill,sweep")
+    parser.add_argument("--one-token-step", choices=("gemv", "compiled"), default="gemv",
+                        help="how batch-1 decode steps run (engine option)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())
     shutil.copy(CONFIGS / args.config, work / "config.json")
     llm = LLM(model=str(work), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              gpu_memory_utilization=0.85, max_num_seqs=256)  # fmt: skip
+              gpu_memory_utilization=0.85, max_num_seqs=256,
+              one_token_step=args.one_token_step)  # fmt: skip
     results: dict[str, Any] = {"config": args.config}
     plans = {"b1": (1, 1024), "b64": (64, 1024), "b256": (256, 1500)}
     for name in args.scenarios.split(","):

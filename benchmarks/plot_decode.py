@@ -37,7 +37,7 @@ def tokens_per_s(step_ms: dict[int, float]) -> tuple[list[int], list[float]]:
     return batches, [b / step_ms[b] * 1e3 for b in batches]
 
 
-def plot(sweep: dict[int, float], out: Path) -> None:
+def plot(sweep: dict[int, float], out: Path, before: dict[int, float] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,6 +51,8 @@ def plot(sweep: dict[int, float], out: Path) -> None:
         ("roofline (4.25 TB/s, 800 TFLOP/s)", roof, "k--"),
         ("cuBLAS linear layers + LM head, one graph (no attention)", CUBLAS_GRAPH_MS, "s:"),
         ("pagedserve (engine step, async scheduling)", sweep, "o-"),
+        *([("pagedserve, compiled forward at batch 1 too (--one-token-step compiled)", before,
+            "o:")] if before else []),
         ("gpt-fast", GPT_FAST_MS, "^-"),
         ("transformers eager", TRANSFORMERS_EAGER_MS, "v"),
     ]
@@ -76,9 +78,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("profile_json", help="gpu_profile.py's profile.json (with a sweep)")
     parser.add_argument("--out", default="decode_throughput.png")
+    parser.add_argument("--before", help="a second profile.json, drawn dotted (e.g. the same "
+                                         "sweep with --one-token-step compiled)")
     args = parser.parse_args()
-    sweep = json.loads(Path(args.profile_json).read_text())["sweep"]
-    plot({int(b): float(ms) for b, ms in sweep.items()}, Path(args.out))
+    sweeps = [json.loads(Path(p).read_text())["sweep"] for p in (args.profile_json, args.before)
+              if p is not None]
+    as_ms = [{int(b): float(ms) for b, ms in s.items()} for s in sweeps]
+    plot(as_ms[0], Path(args.out), as_ms[1] if len(as_ms) > 1 else None)
 
 
 if __name__ == "__main__":

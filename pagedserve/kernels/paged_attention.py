@@ -14,6 +14,8 @@ request ``i``'s query blocks start at ``query_start_loc[i] // BLOCK_Q + i``, so
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -133,6 +135,22 @@ def key_tile_size(head_dim_pad: int) -> int:
     return 64 if head_dim_pad <= 128 else 32
 
 
+@dataclass(frozen=True)
+class KeyLoopLaunch:
+    """How a paged-attention kernel walks the keys: keys per tile (None: ``key_tile_size``),
+    warps per program, and K/V tiles in flight (Triton's software pipelining)."""
+
+    tile_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def tile(self, head_dim_pad: int) -> int:
+        return self.tile_n or key_tile_size(head_dim_pad)
+
+
+DEFAULT_LAUNCH = KeyLoopLaunch()
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -144,6 +162,7 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     output: torch.Tensor,  # [num_tokens, num_heads, head_dim] (out)
+    launch: KeyLoopLaunch = DEFAULT_LAUNCH,
 ) -> None:
     """Causal varlen attention over the paged cache; writes ``output[:num_actual_tokens]`` only.
 
@@ -168,7 +187,7 @@ def paged_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, TILE_N=key_tile_size(head_dim_pad),
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, TILE_N=launch.tile(head_dim_pad),
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
-        num_warps=4,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip

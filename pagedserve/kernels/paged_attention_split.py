@@ -26,7 +26,7 @@ from pagedserve.kernels.attention_common import (
     dot_operand_dtype,
     dot_precision,
 )
-from pagedserve.kernels.paged_attention import key_tile_size
+from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch
 
 # tl.dot needs every dimension >= 16 on NVIDIA GPUs.
 _MIN_DOT = 16
@@ -166,6 +166,7 @@ def paged_attention_split_kv(
     scale: float,
     output: torch.Tensor,  # [num_tokens, num_heads, head_dim] (out)
     num_splits: int,
+    launch: KeyLoopLaunch = DEFAULT_LAUNCH,
 ) -> None:
     """Decode attention (max_query_len <= 1) with each request's keys split into ``num_splits``
     (1 to ``MAX_NUM_SPLITS``) parallel segments. Writes only the rows ``query_start_loc[i]`` of
@@ -178,7 +179,7 @@ def paged_attention_split_kv(
     num_heads, head_dim = query.shape[1], query.shape[2]
     group = num_heads // key_cache.shape[2]
     head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
-    tile_n = key_tile_size(head_dim_pad)
+    tile_n = launch.tile(head_dim_pad)
     dot_dtype = dot_operand_dtype(query)
     stats_shape = (num_reqs, num_heads, num_splits)
     device = query.device
@@ -198,7 +199,7 @@ def paged_attention_split_kv(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
         TILE_N=tile_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
-        num_warps=4,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     _reduce_splits_kernel[(num_reqs, num_heads)](
         output, partial_out, partial_max, partial_sum, seq_lens, query_start_loc, num_splits,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch, write_step_kv
 
-from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 
 TOLERANCE = {
@@ -94,3 +94,27 @@ def test_split_kv_rejects_split_counts_out_of_range(num_splits: int) -> None:
             batch.query, batch.kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
             meta.num_reqs, 0.125, torch.empty_like(batch.query), num_splits,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("launch", [KeyLoopLaunch(32, 8, 2), KeyLoopLaunch(128, 4, 4)])
+def test_other_key_loop_launches_give_the_same_attention(launch: KeyLoopLaunch) -> None:
+    """The launch shapes ``benchmarks/attention_sweep.py`` times: other key tiles (32 and 128
+    keys, crossing blocks of 16 differently), warps and pipeline depths, both kernels."""
+    batch = make_paged_batch([1, 1, 6], [150, 37, 90], 8, 2, 64, 16, torch.float32)
+    write_step_kv(batch)
+    meta = batch.metadata
+    output = torch.full_like(batch.query, SENTINEL)
+    paged_attention(
+        batch.query, batch.kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
+        meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, 0.125, output, launch,
+    )  # fmt: skip
+    _check(batch, output, 0.125)
+    decode = make_paged_batch([1, 1], [150, 263], 8, 2, 64, 16, torch.float32)
+    write_step_kv(decode)
+    meta = decode.metadata
+    output = torch.full_like(decode.query, SENTINEL)
+    paged_attention_split_kv(
+        decode.query, decode.kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
+        meta.num_reqs, 0.125, output, 3, launch,
+    )  # fmt: skip
+    _check(decode, output, 0.125)

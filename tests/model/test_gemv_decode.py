@@ -3,6 +3,7 @@ greedy tokens and logits through the paged KV cache (fp32, Triton's CPU interpre
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (the kernels run on CPU)
@@ -71,3 +72,11 @@ def test_unsupported_models_say_why(case: str, reason: str, tmp_path) -> None:
     assert reason in unsupported_reason(ours)
     with pytest.raises(ValueError, match=reason):
         GemvDecodeForward(ours)
+
+
+def test_tensor_parallel_models_are_refused(tmp_path) -> None:
+    """o_proj and down_proj of a TP rank need an all-reduce before the residual add, which the
+    kernels' epilogue cannot do: such engines keep the compiled forward."""
+    ours = _ours("llama", tmp_path)
+    ours.tp = dataclasses.replace(ours.tp, size=2, group_name="tp")
+    assert "tensor parallelism" in unsupported_reason(ours)

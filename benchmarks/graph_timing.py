@@ -1,0 +1,34 @@
+"""Time GPU work as the engine runs it: captured in a CUDA graph, replayed (benchmarks only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device copy on the H200 (issue 11)
+
+
+def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph of ``fn`` (after one eager warm-up on a side
+    stream, so lazy work such as Triton compiles and cuBLAS workspaces stays out of it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
