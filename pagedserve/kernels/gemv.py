@@ -217,6 +217,11 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
             rope: tuple | None = None) -> None:
     """One program per ``block_n`` of the ``num_cols`` output columns (or pairs)."""
     k = x.shape[1]
+    for name, t, numel in (("bias", bias, weight.shape[0]), ("residual", residual, n_out),
+                           ("norm_weight", norm_weight, k)):
+        if t is not None and (t.numel() != numel or not t.is_contiguous()):
+            raise ValueError(f"{name}: expected {numel} contiguous values, got "
+                             f"{tuple(t.shape)}")
     cfg = config or DEFAULT_CONFIGS[int(epilogue)]
     if rope is None:
         cos_sin = positions = slots = cache = out
@@ -249,18 +254,6 @@ def linear_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     n = weight.shape[0]
     out = torch.empty((1, n), dtype=weight.dtype, device=x.device)
     _launch(n, x, weight, out, n, EPILOGUE_STORE, config, bias=bias, residual=residual)
-    return out
-
-
-def rmsnorm_linear_row(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: GemvConfig | None = None) -> torch.Tensor:
-    """RMSNorm(x) @ weight^T (+ bias) -> [1, N]; x [1, K], norm_weight [K]."""
-    _check_row(x, weight)
-    n = weight.shape[0]
-    out = torch.empty((1, n), dtype=weight.dtype, device=x.device)
-    _launch(n, x, weight, out, n, EPILOGUE_STORE, config, bias=bias,
-            norm_weight=norm_weight, eps=eps)
     return out
 
 
