@@ -124,7 +124,7 @@ class CompiledForward:
             return self._first_call(input_ids, positions)
         if self.full_graph is not None:
             return self.full_graph(input_ids, positions)
-        return self._run(input_ids, positions)
+        return self._run_full(input_ids, positions)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         assert self.forward is not None  # set by the first call
@@ -132,7 +132,8 @@ class CompiledForward:
 
     def _run_full(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         """What the FULL graph captures: the one-token forward for one token (when there is
-        one), else the compiled forward. Outside FULL mode the wrapper runs this too."""
+        one), else the compiled forward. Outside FULL mode the wrapper runs this too, and so
+        does a compiled forward without graphs."""
         if self.one_token_forward is not None and input_ids.shape[0] == 1:
             return self.one_token_forward(input_ids, positions)
         return self._run(input_ids, positions)

@@ -7,24 +7,30 @@ which a saved forward from an earlier test would skip."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from pathlib import Path
+import os
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+# These runners are CPU runners; the one-token forward's Triton kernels run in the interpreter,
+# which must be chosen before triton loads (torch's Inductor imports it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedserve.compilation import compile_cache
-from pagedserve.compilation.aot_forward import AOT_ENV
-from pagedserve.config import (
+import functools  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from pagedserve.compilation import compile_cache  # noqa: E402
+from pagedserve.compilation.aot_forward import AOT_ENV  # noqa: E402
+from pagedserve.config import (  # noqa: E402
     CacheConfig,
     CompilationConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
 
 DEEP_LLAMA = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
