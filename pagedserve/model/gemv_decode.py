@@ -3,9 +3,9 @@
 A decode step of one token reads every weight once and does almost nothing else, so its time
 is the weight read plus the launches around it. The compiled forward spends ~19 kernels per
 Llama layer (measured on an H200: 4.90-5.05 ms a step against a 3.56 ms floor); this one
-spends five: ``kernels/gemv.py``'s RMSNorm + QKV + rotary + KV write, the attention backend's
-decode (split-KV and its reduce), o_proj + residual, RMSNorm + gate/up + SiLU-and-mul, and
-down_proj + residual. The same weights, cache and attention metadata as the compiled
+spends six: ``kernels/gemv.py``'s RMSNorm + QKV + rotary + KV write, the attention backend's
+decode (split-KV and its reduce: two), o_proj + residual, RMSNorm + gate/up + SiLU-and-mul,
+and down_proj + residual. The same weights, cache and attention metadata as the compiled
 forward; the runner's FULL graph of size 1 captures this forward instead of the compiled one
 (``CompiledForward``).
 
