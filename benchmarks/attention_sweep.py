@@ -61,9 +61,10 @@ def runner(b: dict, splits: int, launch: KeyLoopLaunch):
 
 
 def variants() -> list[tuple[int, KeyLoopLaunch]]:
-    out = [(1, DEFAULT_LAUNCH)]
+    out = [(1, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
     out += [(1, KeyLoopLaunch(t, w, s))
-            for t, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+            for t, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+            if (t, w, s) != (64, 4, 3)]
     out += [(n, KeyLoopLaunch(t, w, 3)) for n, t, w in itertools.product((2, 4), (64, 128), (4, 8))]
     return out
 
@@ -85,6 +86,7 @@ def main() -> None:
         for splits, launch in variants():
             try:
                 fn = runner(b, splits, launch)
+                b["output"].fill_(float("nan"))  # a variant that skips rows shows as an error
                 fn()
                 err = (b["output"].float() - reference.float()).abs().max().item()
                 us = graph_us(fn)

@@ -146,10 +146,10 @@ class CompilationConfig:
     piece_compiler: Literal["inductor", "eager"] = "inductor"
     """How each piece between attention ops is compiled (eager: traced FX code as it is)."""
     one_token_step: Literal["gemv", "compiled"] = "gemv"
-    """How a one-token step (batch-1 decode) runs in its CUDA graph: gemv, on the fused GEMV
-    kernels (RMSNorm, rotary embedding, KV write, residual and SiLU-and-mul inside the weight
-    reads; Llama-family models on one GPU, others fall back); compiled, like every other
-    batch."""
+    """How a step of one token runs on a GPU (a batch-1 decode, in its FULL CUDA graph; a
+    one-token prefill, eagerly): gemv, on the fused GEMV kernels (RMSNorm, rotary embedding, KV
+    write, residual and SiLU-and-mul inside the weight reads; Llama-family models on one GPU,
+    others fall back); compiled, like every other batch."""
     max_capture_size: int = 512
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     """Explicit capture sizes of both modes (FULL and PIECEWISE); default: FULL

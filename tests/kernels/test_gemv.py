@@ -19,8 +19,8 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DT = torch.bfloat16
 EPS = 1e-5
-# Small tiles on the interpreter (fast), the defaults on a GPU.
-CONFIGS = [gemv.GemvConfig(8, 64, 4), gemv.GemvConfig(16, 32, 2)]
+# Small tiles (several K tiles and programs on these small shapes), and the default tiles.
+CONFIGS = [gemv.GemvConfig(8, 64, 4), gemv.GemvConfig(16, 32, 2), None]
 
 
 def _rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -41,7 +41,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_linear_row_bias_residual(config: gemv.GemvConfig) -> None:
+def test_linear_row_bias_residual(config: gemv.GemvConfig | None) -> None:
     """K and N not multiples of the tiles: the masked edges count."""
     x, w, b, r = _rand(1, 200), _rand(72, 200, scale=0.1), _rand(72), _rand(1, 72)
     _close(gemv.linear_row(x, w, config=config), F.linear(x, w))
@@ -50,17 +50,19 @@ def test_linear_row_bias_residual(config: gemv.GemvConfig) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_rmsnorm_gate_up_silu(config: gemv.GemvConfig) -> None:
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rmsnorm_gate_up_silu(config: gemv.GemvConfig | None, with_bias: bool) -> None:
     inter = 40
     x, w, norm = _rand(1, 128), _rand(2 * inter, 128, scale=0.2), _norm(128)
-    got = gemv.rmsnorm_gate_up_silu(x, norm.weight, EPS, w, config=config)
+    bias = _rand(2 * inter) if with_bias else None
+    got = gemv.rmsnorm_gate_up_silu(x, norm.weight, EPS, w, bias, config=config)
     assert got.shape == (1, inter)
-    _close(got, SiluAndMul()(F.linear(norm(x), w)))
+    _close(got, SiluAndMul()(F.linear(norm(x), w, bias)))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_qkv_rope_kv_write(config: gemv.GemvConfig, with_bias: bool) -> None:
+def test_qkv_rope_kv_write(config: gemv.GemvConfig | None, with_bias: bool) -> None:
     hq, hkv, d, hidden, block_size = 4, 2, 32, 96, 4
     rope = get_rope(d, 64, {"rope_type": "default", "rope_theta": 10000.0}, DT, DEVICE)
     x, norm = _rand(1, hidden), _norm(hidden)
@@ -102,6 +104,8 @@ def test_bad_inputs_name_the_argument() -> None:
         gemv.linear_row(_rand(1, 24), w)
     with pytest.raises(ValueError, match="residual"):
         gemv.linear_row(_rand(1, 32), w, residual=_rand(1, 15))
+    with pytest.raises(ValueError, match="gate_up_weight"):
+        gemv.rmsnorm_gate_up_silu(_rand(1, 32), _rand(32), EPS, _rand(15, 32))
     with pytest.raises(ValueError, match="norm_weight"):
         gemv.rmsnorm_gate_up_silu(_rand(1, 32), _rand(31), EPS, w)
     cache = torch.zeros(2, 2, 4, 2, 32, dtype=DT, device=DEVICE)
