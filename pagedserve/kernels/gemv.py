@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.kv_write import check_kv_cache
+
 EPILOGUE_STORE = tl.constexpr(0)  # out = acc (+ bias) (+ residual)
 EPILOGUE_SILU_MUL = tl.constexpr(1)  # out = silu(acc_gate) * acc_up
 EPILOGUE_ROPE_KV = tl.constexpr(2)  # rotate q/k pairs; q -> q_out, k/v -> the KV cache
@@ -295,6 +297,7 @@ def rmsnorm_qkv_rope_kv_write(
 ) -> torch.Tensor:
     """Queries [1, NUM_Q * D], rotated; the key (rotated) and value land in ``kv_cache``."""
     _check_row(x, qkv_weight)
+    check_kv_cache(kv_cache)
     num_kv, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     if qkv_weight.shape[0] != (num_heads + 2 * num_kv) * head_dim:
         raise ValueError(f"qkv_weight: {qkv_weight.shape[0]} rows, expected "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.kernels import gemv
 from pagedserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -55,31 +55,31 @@ class GemvDecodeForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != 1:
             raise ValueError(f"input_ids: one token per step, got {input_ids.shape[0]}")
+        ctx = get_forward_context()
         h = self.model.embed_tokens(input_ids)  # [1, hidden]: the residual stream
         for layer in self.model.layers:
-            h = self._layer(layer, positions, h)
+            h = self._layer(layer, ctx, positions, h)
         return self.model.norm(h)
 
-    def _layer(self, layer: LlamaDecoderLayer, positions: torch.Tensor,
+    def _layer(self, layer: LlamaDecoderLayer, ctx: ForwardContext, positions: torch.Tensor,
                h: torch.Tensor) -> torch.Tensor:
         attn_block, mlp = layer.self_attn, layer.mlp
         attn = attn_block.attn
-        ctx = get_forward_context()
         if attn.kv_cache is None:
             raise RuntimeError(f"{attn.layer_name}: no KV cache bound")
         norm = layer.input_layernorm
         q = gemv.rmsnorm_qkv_rope_kv_write(
             h, norm.weight, norm.eps, attn_block.qkv_proj.weight,
-            getattr(attn_block.qkv_proj, "bias", None), self.cos_sin_cache, positions,
+            attn_block.qkv_proj.bias, self.cos_sin_cache, positions,
             ctx.slot_mapping[attn.layer_name], attn.kv_cache, attn.num_heads)  # [1, Hq * D]
         out = torch.empty_like(q)  # [1, Hq * D]
         heads = (1, attn.num_heads, attn.head_dim)
         attn.backend.forward(q.view(heads), attn.kv_cache, ctx.attn_metadata[attn.layer_name],
                              attn.scale, out.view(heads))
         o_proj = attn_block.o_proj
-        h = gemv.linear_row(out, o_proj.weight, getattr(o_proj, "bias", None), residual=h)
+        h = gemv.linear_row(out, o_proj.weight, o_proj.bias, residual=h)
         norm = layer.post_attention_layernorm
         act = gemv.rmsnorm_gate_up_silu(h, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                        getattr(mlp.gate_up_proj, "bias", None))  # [1, I]
+                                        mlp.gate_up_proj.bias)  # [1, I]
         down = mlp.down_proj
-        return gemv.linear_row(act, down.weight, getattr(down, "bias", None), residual=h)
+        return gemv.linear_row(act, down.weight, down.bias, residual=h)
