@@ -37,6 +37,7 @@ CATEGORIES = [
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|splitK", re.I)),
     ("attention", re.compile(r"paged_attention|split_kv|reduce_splits", re.I)),
     ("kv_write", re.compile(r"kv_write", re.I)),
+    ("add + RMSNorm", re.compile(r"_fused_add_rms_norm_kernel")),
     ("input_prep", re.compile(r"prepare_|combine_sampled|gather_block_tables|slot_mappings")),
     ("sampler", re.compile(r"sampl|gumbel|argmax|topk|top_k|sort|radix|softmax|exponential", re.I)),
     ("communication", re.compile(r"nccl", re.I)),
@@ -152,6 +153,15 @@ def prefill_scenario(llm: LLM, out: Path) -> dict:
     return result
 
 
+def add_norm_as_torch_code(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's CPU code (what Inductor compiled on the GPU too before the Triton kernel)."""
+    summed = x.float() + residual.float()
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), summed.to(x.dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".")
@@ -160,7 +170,14 @@ def main() -> None:
     parser.add_argument("--scenarios", default="b1,b64,b256,prefill,sweep")
     parser.add_argument("--one-token-step", choices=("gemv", "compiled"), default="gemv",
                         help="how batch-1 decode steps run (engine option)")
+    parser.add_argument("--add-norm", choices=("kernel", "inductor"), default="kernel",
+                        help="inductor: residual add + RMSNorm traced as torch code, the way "
+                             "the model ran before session 5 (for a before/after)")
     args = parser.parse_args()
+    if args.add_norm == "inductor":
+        from pagedserve.layers import layernorm
+
+        layernorm.fused_add_rms_norm = add_norm_as_torch_code
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())

@@ -4,6 +4,10 @@ A decoder layer keeps the residual stream outside the norm: ``norm(x, residual)`
 sublayer output ``x`` to ``residual`` in fp32, returns the normalized sum and the sum itself
 (cast back to the model dtype) as the new residual. Layer 0 has no residual yet and calls
 ``norm(x)``.
+
+On CUDA the add and the norm run as one Triton kernel (``kernels/rms_norm.py``), behind the
+opaque op ``pagedserve::fused_add_rms_norm`` when compiled (Inductor would otherwise split them
+into three kernels); on the CPU the torch code below is the implementation and the reference.
 """
 
 from __future__ import annotations
@@ -38,9 +42,41 @@ class RMSNorm(nn.Module):
         """``x`` [..., hidden] -> normed, or (normed, x + residual) when a residual is given."""
         if residual is None:
             return self._normalize(x.float(), x.dtype)
+        if x.is_cuda and x.dim() == 2:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         summed = x.float() + residual.float()  # fp32 [..., hidden]
         return self._normalize(summed, x.dtype), summed.to(x.dtype)
 
     def _normalize(self, x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, hidden] -> (normed, x + residual): the Triton kernel, as an opaque op
+    when traced (eager calls skip the custom-op dispatch, as the attention layer does)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.pagedserve.fused_add_rms_norm(x, residual, weight, eps)
+    return _fused_add_rms_norm_kernel(x, residual, weight, eps)
+
+
+def _fused_add_rms_norm_kernel(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from pagedserve.kernels.rms_norm import fused_add_rms_norm as kernel  # triton: GPU path only
+
+    return kernel(x, residual, weight, eps)
+
+
+@torch.library.custom_op("pagedserve::fused_add_rms_norm", mutates_args=())
+def _fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused_add_rms_norm_kernel(x, residual, weight, eps)
+
+
+@_fused_add_rms_norm_op.register_fake
+def _fused_add_rms_norm_fake(x, residual, weight, eps):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, as the kernel writes them
