@@ -9,9 +9,9 @@ import torch
 COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device copy on the H200 (issue 11)
 
 
-def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph of ``fn`` (after one eager warm-up on a side
-    stream, so lazy work such as Triton compiles and cuBLAS workspaces stays out of it)."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn``, after one eager warm-up on a side stream (so lazy work such as
+    Triton compiles and cuBLAS workspaces stays out of it)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -20,15 +20,28 @@ def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
+    return graph
+
+
+def median_ms(launch: Callable[[], object], reps: int = 20) -> float:
+    """Median ms between events recorded around ``launch()`` on the current stream (after one
+    untimed call)."""
+    launch()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        launch()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    del graph
     return sorted(times)[len(times) // 2]
+
+
+def graph_time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph of ``fn``."""
+    graph = capture_graph(fn)
+    ms = median_ms(graph.replay, reps)
+    del graph
+    return ms

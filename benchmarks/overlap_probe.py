@@ -1,0 +1,204 @@
+"""Can a prefill chunk's matmuls hide a decode batch's attention? Timed on the layer stack alone.
+
+    python benchmarks/overlap_probe.py --out DIR
+
+Llama-3-8B shape, bf16, 32 layers of random weights (the LM head, norms and rotary are left out:
+they are the same in every variant). Two pieces of work per step:
+  D: a decode batch of 256 requests at context 1500 (the middle of target 3's decode): per layer
+     QKV / o_proj / gate-up / down GEMMs at M=256 and the paged decode attention (50 GB of KV
+     read per step, bandwidth-bound);
+  P: a prefill chunk of P tokens (one request, causal attention over the chunk): the same
+     GEMMs at M=P (compute-bound above a few hundred tokens).
+Each is captured as its own CUDA graph, and timed (median of 15 replays) alone, one after the
+other on one stream, "joint" (one GEMM over the 256 + P rows per layer, the two attentions in
+turn: what a mixed step runs today), and at once on two streams (fork/join around the two
+replays; with each stream's priority as given). With ``--green N ...`` instead: P confined to a
+CUDA green context of N SMs (graph replayed there, and launched eagerly there) beside D on the
+whole card. Writes ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, session 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from graph_timing import capture_graph, median_ms
+
+from pagedserve.kernels.paged_attention import paged_attention
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK = 32, 4096, 32, 8, 128, 14336, 16
+QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+DECODE_BATCH, DECODE_CONTEXT = 256, 1500
+REPS = 15  # graph replays per timing (median)
+
+
+class Stack:
+    """Weights and KV caches of the 32 layers, and the per-branch attention inputs."""
+
+    def __init__(self) -> None:
+        dev, dt = "cuda", torch.bfloat16
+        def w(n: int, k: int) -> torch.Tensor:
+            return torch.empty(n, k, dtype=dt, device=dev).uniform_(-0.02, 0.02)
+        self.layers = [(w(QKV, HIDDEN), w(HIDDEN, HEADS * HEAD_DIM), w(2 * FFN, HIDDEN),
+                        w(HIDDEN, FFN)) for _ in range(LAYERS)]
+        blocks_per_req = DECODE_CONTEXT // BLOCK + 1
+        self.num_blocks = DECODE_BATCH * blocks_per_req + 1
+        self.caches = [torch.empty(2, self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,
+                                   device=dev).uniform_(-1, 1) for _ in range(LAYERS)]
+        perm = torch.randperm(self.num_blocks - 1, device=dev) + 1
+        self.decode_meta = dict(
+            block_table=perm[: DECODE_BATCH * blocks_per_req].view(DECODE_BATCH, -1).int(),
+            query_start_loc=torch.arange(DECODE_BATCH + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32, device=dev),
+            num_reqs=DECODE_BATCH, max_query_len=1)
+
+    def prefill_meta(self, tokens: int) -> dict:
+        dev = "cuda"
+        table = torch.arange(1, tokens // BLOCK + 2, dtype=torch.int32, device=dev)[None]
+        return dict(block_table=table,
+                    query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
+                    seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
+                    num_reqs=1, max_query_len=tokens)
+
+    def attention(self, qkv: torch.Tensor, layer: int, meta: dict) -> torch.Tensor:
+        m = qkv.shape[0]
+        q = qkv[:, : HEADS * HEAD_DIM].view(m, HEADS, HEAD_DIM)
+        out = torch.empty(m, HEADS, HEAD_DIM, dtype=qkv.dtype, device=qkv.device)
+        paged_attention(q, self.caches[layer], meta["block_table"], meta["query_start_loc"],
+                        meta["seq_lens"], meta["num_reqs"], m, meta["max_query_len"],
+                        HEAD_DIM**-0.5, out)
+        return out.view(m, HEADS * HEAD_DIM)
+
+    def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        gate_up = F.linear(x, self.layers[layer][2])
+        return F.linear(F.silu(gate_up[:, :FFN]) * gate_up[:, FFN:], self.layers[layer][3])
+
+    def branch(self, x: torch.Tensor, meta: dict) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            h = x
+            for layer, (w_qkv, w_o, _, _) in enumerate(self.layers):
+                h = h + F.linear(self.attention(F.linear(h, w_qkv), layer, meta), w_o)
+                h = h + self.mlp(h, layer)
+            return h
+        return run
+
+    def joint(self, x: torch.Tensor, prefill: dict) -> Callable[[], torch.Tensor]:
+        """One GEMM over decode + prefill rows, the two attentions one after the other."""
+        def run() -> torch.Tensor:
+            h = x
+            for layer, (w_qkv, w_o, _, _) in enumerate(self.layers):
+                qkv = F.linear(h, w_qkv)
+                attn = torch.cat([self.attention(qkv[:DECODE_BATCH], layer, self.decode_meta),
+                                  self.attention(qkv[DECODE_BATCH:], layer, prefill)])
+                h = h + F.linear(attn, w_o)
+                h = h + self.mlp(h, layer)
+            return h
+        return run
+
+
+def concurrently(graphs: list[torch.cuda.CUDAGraph], streams: list[torch.cuda.Stream]):
+    return lambda: fork_join([(s, g.replay) for g, s in zip(graphs, streams, strict=True)])
+
+
+_GREEN_CONTEXTS: list = []
+
+
+def green_stream(num_sms: int) -> torch.cuda.Stream:
+    """A stream whose kernels may use only ``num_sms`` SMs (a CUDA green context)."""
+    from torch.cuda.green_contexts import GreenContext
+    ctx = GreenContext.create(num_sms=num_sms, device_id=0)
+    _GREEN_CONTEXTS.append(ctx)  # a collected context takes its streams with it
+    return ctx.Stream()  # torch >= 2.11
+
+
+def green_rows(stack: Stack, g_decode, tokens: int, splits: list[int]) -> dict:
+    """The prefill chunk confined to a green context of n SMs, the decode graph on the rest."""
+    meta = stack.prefill_meta(tokens)
+    x_p = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
+    run_p = stack.branch(x_p, meta)
+    g_p = capture_graph(run_p)
+    rows = {"prefill_alone_ms": median_ms(g_p.replay, REPS),
+            "one_after_other_ms": median_ms(lambda: (g_decode.replay(), g_p.replay()), REPS)}
+    plain = torch.cuda.Stream()
+    for n in splits:
+        green = green_stream(n)
+        variants = {
+            "prefill_eager": [(green, run_p)],
+            "prefill_graph": [(green, g_p.replay)],
+            "both_graph": [(plain, g_decode.replay), (green, g_p.replay)],
+            "both_eager": [(plain, g_decode.replay), (green, run_p)],
+        }
+        for name, parts in variants.items():
+            try:
+                rows[f"{name}_{n}sms_ms"] = median_ms(lambda parts=parts: fork_join(parts), REPS)
+            except Exception as e:  # noqa: BLE001 - an API the installed torch lacks
+                rows[f"{name}_{n}sms_error"] = str(e)[:200]
+        print(f"  P={tokens} n={n}: " + ", ".join(f"{k} {v}" for k, v in rows.items()
+                                                  if f"_{n}sms" in k or "_sms" not in k),
+              flush=True)
+    return rows
+
+
+def fork_join(parts: list[tuple[torch.cuda.Stream, Callable[[], object]]]) -> None:
+    """Each part on its stream, all after the current stream's work; the current stream
+    then waits for all of them."""
+    main = torch.cuda.current_stream()
+    for stream, fn in parts:
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            fn()
+    for stream, _ in parts:
+        main.wait_stream(stream)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prefill", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--green", type=int, nargs="*", default=[],
+                        help="SM counts for the prefill chunk's green context (skips the rest)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    stack = Stack()
+    print(f"weights and caches ready after {time.perf_counter() - t0:.1f} s", flush=True)
+    x_decode = torch.randn(DECODE_BATCH, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
+    g_decode = capture_graph(stack.branch(x_decode, stack.decode_meta))
+    d_ms = median_ms(g_decode.replay, REPS)
+    report = {"decode_alone_ms": d_ms, "prefill": {}}
+    print(f"decode b{DECODE_BATCH} ctx{DECODE_CONTEXT}: {d_ms:.2f} ms "
+          f"(at {time.perf_counter() - t0:.1f} s)", flush=True)
+    if args.green:
+        for tokens in args.prefill:
+            report["prefill"][tokens] = green_rows(stack, g_decode, tokens, args.green)
+            (args.out / "overlap_probe.json").write_text(json.dumps(report, indent=1))
+        return
+    normal = [torch.cuda.Stream(), torch.cuda.Stream()]
+    d_high = [torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)]
+    p_high = [torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)]
+    for tokens in args.prefill:
+        meta = stack.prefill_meta(tokens)
+        x_p = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
+        g_p = capture_graph(stack.branch(x_p, meta))
+        g_joint = capture_graph(stack.joint(torch.cat([x_decode, x_p]), meta))
+        row = {
+            "prefill_alone_ms": median_ms(g_p.replay, REPS),
+            "one_after_other_ms": median_ms(lambda g=g_p: (g_decode.replay(), g.replay()), REPS),
+            "joint_ms": median_ms(g_joint.replay, REPS),
+            "two_streams_ms": median_ms(concurrently([g_decode, g_p], normal), REPS),
+            "two_streams_decode_high_ms": median_ms(concurrently([g_decode, g_p], d_high), REPS),
+            "two_streams_prefill_high_ms": median_ms(concurrently([g_decode, g_p], p_high), REPS),
+        }
+        report["prefill"][tokens] = row
+        print(f"P={tokens}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+        (args.out / "overlap_probe.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
