@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import CompilationConfig, choices_of
 from pagedserve.entrypoints.bench.gpu_busy import busy_union_us
 from pagedserve.outputs import RequestOutputKind
 
@@ -168,7 +169,8 @@ def main() -> None:
     parser.add_argument("--config", default="llama-3-8b.json")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--scenarios", default="b1,b64,b256,prefill,sweep")
-    parser.add_argument("--one-token-step", choices=("gemv", "compiled"), default="gemv",
+    parser.add_argument("--one-token-step", default=CompilationConfig.one_token_step,
+                        choices=choices_of(CompilationConfig, "one_token_step"),
                         help="how batch-1 decode steps run (engine option)")
     parser.add_argument("--add-norm", choices=("kernel", "inductor"), default="kernel",
                         help="inductor: residual add + RMSNorm traced as torch code, the way "

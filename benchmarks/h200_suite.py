@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.config import CompilationConfig, choices_of
 from pagedserve.entrypoints.bench import latency, throughput
 from pagedserve.entrypoints.bench.common import make_llm
 from pagedserve.entrypoints.cli import build_parser
@@ -66,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--sections", default="tiny,b1,b64,t1024,t2048,warm,qwen3,t1000")
-    parser.add_argument("--one-token-step", choices=("gemv", "compiled"), default="gemv",
+    parser.add_argument("--one-token-step", default=CompilationConfig.one_token_step,
+                        choices=choices_of(CompilationConfig, "one_token_step"),
                         help="how the 8B engine runs batch-1 decode steps (engine option)")
     args = parser.parse_args()
     out = Path(args.out)

@@ -8,6 +8,8 @@ so a default lives here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +19,34 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def choices_of(config_cls: type, name: str) -> tuple[str, ...]:
+    """The values a ``Literal`` field accepts (benchmarks build their options from them)."""
+    return _literal_fields(config_cls)[name][0]
+
+
+@functools.cache
+def _literal_fields(config_cls: type) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Field name -> (allowed values, whether None is allowed too), for every field typed
+    ``Literal[...]`` or ``Literal[...] | None``."""
+    out = {}
+    for name, tp in typing.get_type_hints(config_cls).items():
+        members = typing.get_args(tp) if typing.get_origin(tp) is not Literal else ()
+        literal = next((m for m in (tp, *members) if typing.get_origin(m) is Literal), None)
+        if literal is not None:
+            out[name] = (typing.get_args(literal), type(None) in members)
+    return out
+
+
+def _check_choices(config: object) -> None:
+    """Every ``Literal`` field of ``config`` holds one of its values."""
+    for name, (allowed, optional) in _literal_fields(type(config)).items():
+        value = getattr(config, name)
+        _check(
+            value in allowed or (optional and value is None),
+            f"{name}: {value!r} is not one of {', '.join(allowed)}",
+        )
 
 
 @dataclass(frozen=True)
@@ -39,10 +69,7 @@ class ModelConfig:
             self.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"),
             f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)",
         )
-        _check(
-            self.load_format in ("auto", "safetensors", "gguf", "dummy"),
-            f"load_format: {self.load_format!r} is not one of auto, safetensors, gguf, dummy",
-        )
+        _check_choices(self)
         _check(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len: must be positive, got {self.max_model_len}",
@@ -100,7 +127,7 @@ class SchedulerConfig:
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}",
         )
-        _check(self.policy in ("fcfs", "priority"), f"policy: {self.policy!r} is not fcfs or priority")
+        _check_choices(self)
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,7 @@ class ParallelConfig:
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _check(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}",
@@ -167,13 +195,7 @@ class CompilationConfig:
                 sizes is None or all(s >= 1 for s in sizes),
                 f"{name}: every size must be >= 1, got {sizes}",
             )
-        _check(self.one_token_step in ("gemv", "compiled"),
-               f"one_token_step: {self.one_token_step!r} is not gemv or compiled")
-        _check(self.mode in ("auto", "compile", "none"), f"mode: {self.mode!r} is not auto, compile or none")
-        _check(
-            self.piece_compiler in ("inductor", "eager"),
-            f"piece_compiler: {self.piece_compiler!r} is not inductor or eager",
-        )
+        _check_choices(self)
 
     def uses_compile(self, device_type: str) -> bool:
         if self.enforce_eager or self.mode == "none":

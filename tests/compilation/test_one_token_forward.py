@@ -4,6 +4,10 @@ with the kernels in Triton's interpreter (the conftest chooses it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -30,3 +34,28 @@ def test_runner_sends_one_token_steps_to_the_kernels(tmp_path) -> None:
     compiled.compiled_forward.one_token_forward = one_token_forward
     assert _generate(compiled) == _generate(eager)
     assert num_tokens == [1, 1]
+
+
+def test_runner_chooses_the_gemv_forward_where_it_applies(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CUDA + ``one_token_step="gemv"`` + a supported model: the GEMV forward; otherwise none
+    (the compiled forward serves one-token steps), with the reason logged. The choice touches
+    no device, so a CPU runner told it is on CUDA shows it."""
+    torch.manual_seed(0)
+    for name, head_dim in (("fits", 16), ("odd_tile", 8)):
+        config = LlamaConfig(**{**DEEP_LLAMA, "hidden_size": 4 * head_dim})
+        LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+    runner = _runner(tmp_path / "fits", "compile")
+    assert runner._one_token_forward() is None  # the CPU: no Triton kernels in serving
+    runner.device = torch.device("cuda")
+    assert isinstance(runner._one_token_forward(), GemvDecodeForward)
+    compilation = dataclasses.replace(runner.config.compilation, one_token_step="compiled")
+    runner.config = dataclasses.replace(runner.config, compilation=compilation)
+    assert runner._one_token_forward() is None
+
+    runner = _runner(tmp_path / "odd_tile", "compile")
+    runner.device = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        assert runner._one_token_forward() is None
+    assert "one-token steps run the compiled forward: head_dim 8" in caplog.text
