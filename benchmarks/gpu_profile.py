@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -177,9 +178,13 @@ def main() -> None:
                              "the model ran before session 5 (for a before/after)")
     args = parser.parse_args()
     if args.add_norm == "inductor":
+        from pagedserve.compilation.aot_forward import AOT_ENV
         from pagedserve.layers import layernorm
 
         layernorm.fused_add_rms_norm = add_norm_as_torch_code
+        # The saved-forward key hashes the sources, not this patch: neither load a forward
+        # saved by a run with the kernel nor save one that a later run would load.
+        os.environ[AOT_ENV] = "0"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())

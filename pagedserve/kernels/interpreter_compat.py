@@ -10,7 +10,8 @@ and does nothing where numpy still converts one-element arrays.
 The interpreter also casts fp32 to bf16 by dropping the low mantissa bits (round toward zero),
 where compiled kernels round to nearest even; a CPU test of a bf16 kernel then disagrees with
 torch (and with the GPU) by one bf16 step in about half the elements. ``apply`` makes that
-cast round to nearest even, through torch.
+cast round to nearest even, through torch (other casts, integers to bf16 among them, stay as
+the interpreter does them).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ into three kernels); on the CPU the torch code below is the implementation and t
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,7 +45,7 @@ class RMSNorm(nn.Module):
         """``x`` [..., hidden] -> normed, or (normed, x + residual) when a residual is given."""
         if residual is None:
             return self._normalize(x.float(), x.dtype)
-        if x.is_cuda and x.dim() == 2:
+        if kernel_applies(x, residual, self.weight):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         summed = x.float() + residual.float()  # fp32 [..., hidden]
         return self._normalize(summed, x.dtype), summed.to(x.dtype)
@@ -52,6 +55,12 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
+def kernel_applies(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton kernel's case: CUDA rows [T, hidden] of one shape and the weight's dtype (the
+    torch code also broadcasts and promotes dtypes; the decoder layers never need either)."""
+    return x.is_cuda and x.dim() == 2 and residual.shape == x.shape and weight.dtype == x.dtype
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,22 +68,22 @@ def fused_add_rms_norm(
     when traced (eager calls skip the custom-op dispatch, as the attention layer does)."""
     if torch.compiler.is_compiling():
         return torch.ops.pagedserve.fused_add_rms_norm(x, residual, weight, eps)
-    return _fused_add_rms_norm_kernel(x, residual, weight, eps)
+    return _kernel()(x, residual, weight, eps)
 
 
-def _fused_add_rms_norm_kernel(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from pagedserve.kernels.rms_norm import fused_add_rms_norm as kernel  # triton: GPU path only
+@functools.cache
+def _kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Imported on first use: Triton is only needed (and installed) where CUDA runs."""
+    from pagedserve.kernels.rms_norm import fused_add_rms_norm
 
-    return kernel(x, residual, weight, eps)
+    return fused_add_rms_norm
 
 
 @torch.library.custom_op("pagedserve::fused_add_rms_norm", mutates_args=())
 def _fused_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused_add_rms_norm_kernel(x, residual, weight, eps)
+    return _kernel()(x, residual, weight, eps)
 
 
 @_fused_add_rms_norm_op.register_fake
