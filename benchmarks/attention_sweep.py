@@ -1,14 +1,17 @@
-"""Launch shapes of the decode attention kernels, timed on their own (Llama-3-8B attention).
+"""Launch shapes of the paged attention kernels, timed on their own (Llama-3-8B attention).
 
-    python benchmarks/attention_sweep.py --out DIR
+    python benchmarks/attention_sweep.py --out DIR [--scenarios b64,b256,p8x1024,p4x2048]
 
 Decode batches of the issue-11 workloads (64 requests at context 1024: target 2; 256 at 1500:
-the middle of target 3's decode), bf16 paged KV cache (block size 16, shuffled block tables),
-32 query / 8 KV heads of 128. For the varlen kernel (what a decode batch runs when splitting
-would not add programs) and the split-KV kernels at forced split counts, every key-tile size,
-warp count and pipeline depth listed below: median of 15 replays of a CUDA graph of 10
-launches, as us per launch and as KV bytes read per second against the card's copy bandwidth.
-Writes ``attention_sweep.json`` and ``best.json`` (the fastest shape per batch).
+the middle of target 3's decode) and prefill steps (8 prompts of 1024 tokens: a step of target
+3's prefill; 4 of 2048: target 4's), bf16 paged KV cache (block size 16, shuffled block
+tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (what a decode batch runs when
+splitting would not add programs) and the split-KV kernels at forced split counts, every
+key-tile size, warp count and pipeline depth listed below, as KV bytes read per second against
+the card's copy bandwidth. Prefill: the varlen kernel with query tiles of 64 and 128 rows, as
+causal attention FLOPs per second against the bf16 matmul peak. Each: median of 15 replays of
+a CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
+shape per scenario).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, pa
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-SCENARIOS = {"b64": (64, 1024), "b256": (256, 1500)}
+DECODE = {"b64": (64, 1024), "b256": (256, 1500)}  # requests, context
+PREFILL = {"p8x1024": (8, 1024), "p4x2048": (4, 2048)}  # prompts, prompt length
+MATMUL_PEAK = 800e12  # FLOP/s, measured bf16 matmul on the H200 (issue 11)
 
 
 def graph_us(fn, launches: int = 10, reps: int = 15) -> float:
@@ -33,34 +38,38 @@ def graph_us(fn, launches: int = 10, reps: int = 15) -> float:
     return graph_time_ms(lambda: [fn() for _ in range(launches)], reps) * 1e3 / launches
 
 
-def batch(num_reqs: int, context: int) -> dict:
-    dev = "cuda"
-    blocks_per_req = context // BLOCK
+def paged_batch(num_reqs: int, query_len: int, context: int, dev: str = "cuda") -> dict:
+    """``num_reqs`` requests of ``query_len`` new tokens each at ``context`` tokens (the new
+    ones included), random keys and values in shuffled cache blocks."""
+    blocks_per_req = -(-context // BLOCK)
     num_blocks = num_reqs * blocks_per_req + 1
     table = (torch.randperm(num_blocks - 1, device=dev) + 1).view(num_reqs, blocks_per_req)
+    num_tokens = num_reqs * query_len
     return dict(
-        query=torch.randn(num_reqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+        query=torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
         kv_cache=torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
                              device=dev),
         block_table=table.to(torch.int32),
-        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32, device=dev),
+        query_start_loc=torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32,
+                                     device=dev),
         seq_lens=torch.full((num_reqs,), context, dtype=torch.int32, device=dev),
-        output=torch.empty(num_reqs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+        output=torch.empty(num_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+        num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=query_len,
     )
 
 
 def runner(b: dict, splits: int, launch: KeyLoopLaunch):
-    n = b["query"].shape[0]
     if splits == 1:
         return lambda: paged_attention(b["query"], b["kv_cache"], b["block_table"],
-                                       b["query_start_loc"], b["seq_lens"], n, n, 1,
-                                       HEAD_DIM**-0.5, b["output"], launch)
+                                       b["query_start_loc"], b["seq_lens"], b["num_reqs"],
+                                       b["num_tokens"], b["max_query_len"], HEAD_DIM**-0.5,
+                                       b["output"], launch)
     return lambda: paged_attention_split_kv(b["query"], b["kv_cache"], b["block_table"],
-                                            b["query_start_loc"], b["seq_lens"], n,
+                                            b["query_start_loc"], b["seq_lens"], b["num_reqs"],
                                             HEAD_DIM**-0.5, b["output"], splits, launch)
 
 
-def variants() -> list[tuple[int, KeyLoopLaunch]]:
+def decode_variants() -> list[tuple[int, KeyLoopLaunch]]:
     out = [(1, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
     out += [(1, KeyLoopLaunch(t, w, s))
             for t, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
@@ -69,39 +78,63 @@ def variants() -> list[tuple[int, KeyLoopLaunch]]:
     return out
 
 
+def prefill_variants() -> list[tuple[int, KeyLoopLaunch]]:
+    """Query tiles of 64 rows (the default: 16 queries x 4 heads) and 128, with key tiles,
+    warps and pipeline depths."""
+    out = [(1, DEFAULT_LAUNCH)]
+    out += [(1, KeyLoopLaunch(t, w, s, m))
+            for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+            if (m, t, w, s) != (64, 64, 4, 3)]
+    return out
+
+
+def sweep(b: dict, variants: list[tuple[int, KeyLoopLaunch]], work: float, ceiling: float):
+    """Each variant's us per launch, error against the default's output, and ``work`` (bytes
+    or FLOPs) per second against ``ceiling``; the default first, then the rest by time."""
+    runner(b, 1, DEFAULT_LAUNCH)()
+    reference = b["output"].clone()
+    rows = []
+    for splits, launch in variants:
+        try:
+            fn = runner(b, splits, launch)
+            b["output"].fill_(float("nan"))  # a variant that skips rows shows as an error
+            fn()
+            err = (b["output"].float() - reference.float()).abs().max().item()
+            us = graph_us(fn)
+        except Exception as e:  # a shape that does not compile (shared memory)
+            rows.append({"splits": splits, "launch": launch.__dict__, "error": str(e)[:160]})
+            continue
+        rows.append({"splits": splits, "launch": launch.__dict__, "us": us, "max_err": err,
+                     "of_ceiling": work / (us * 1e-6) / ceiling})
+    return rows[0], sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--scenarios", default=",".join([*DECODE, *PREFILL]))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     report, best = {}, {}
-    for name, (num_reqs, context) in SCENARIOS.items():
-        b = batch(num_reqs, context)
-        nbytes = num_reqs * context * KV_HEADS * HEAD_DIM * 2 * 2
-        paged_attention(b["query"], b["kv_cache"], b["block_table"], b["query_start_loc"],
-                        b["seq_lens"], num_reqs, num_reqs, 1, HEAD_DIM**-0.5, b["output"])
-        reference = b["output"].clone()
-        rows = []
-        for splits, launch in variants():
-            try:
-                fn = runner(b, splits, launch)
-                b["output"].fill_(float("nan"))  # a variant that skips rows shows as an error
-                fn()
-                err = (b["output"].float() - reference.float()).abs().max().item()
-                us = graph_us(fn)
-            except Exception as e:  # a shape that does not compile (shared memory)
-                rows.append({"splits": splits, "launch": launch.__dict__, "error": str(e)[:160]})
-                continue
-            rows.append({"splits": splits, "launch": launch.__dict__, "us": us, "max_err": err,
-                         "of_copy_bw": nbytes / (us * 1e-6) / COPY_BANDWIDTH})
-        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        report[name] = {"num_reqs": num_reqs, "context": context, "kv_bytes": nbytes,
-                        "default_us": rows[0].get("us"), "variants": ok}
+    for name in args.scenarios.split(","):
+        if name in DECODE:  # bandwidth-bound: KV bytes read against the copy bandwidth
+            num_reqs, context = DECODE[name]
+            b = paged_batch(num_reqs, 1, context)
+            work, ceiling, variants = (num_reqs * context * KV_HEADS * HEAD_DIM * 2 * 2,
+                                       COPY_BANDWIDTH, decode_variants())
+        else:  # compute-bound: causal QK^T and PV FLOPs against the matmul peak
+            num_reqs, context = PREFILL[name]
+            b = paged_batch(num_reqs, context, context)
+            work, ceiling, variants = (num_reqs * 4.0 * HEADS * HEAD_DIM * context * (context + 1) / 2,
+                                       MATMUL_PEAK, prefill_variants())
+        default, ok = sweep(b, variants, work, ceiling)
+        report[name] = {"num_reqs": num_reqs, "context": context, "work": work,
+                        "ceiling": ceiling, "default": default, "variants": ok}
         best[name] = ok[0]
-        print(f"{name}: default {rows[0].get('us', 0):.1f} us "
-              f"({rows[0].get('of_copy_bw', 0):.3f}); best {ok[0]['splits']} splits "
-              f"{ok[0]['launch']} {ok[0]['us']:.1f} us ({ok[0]['of_copy_bw']:.3f}), "
+        print(f"{name}: default {default.get('us', 0):.1f} us "
+              f"({default.get('of_ceiling', 0):.3f}); best {ok[0]['splits']} splits "
+              f"{ok[0]['launch']} {ok[0]['us']:.1f} us ({ok[0]['of_ceiling']:.3f}), "
               f"err {ok[0]['max_err']:.2e}", flush=True)
         for r in ok[1:6]:
             print(f"    {r['splits']} {r['launch']} {r['us']:.1f} us", flush=True)

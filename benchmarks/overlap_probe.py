@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from graph_timing import capture_graph, median_ms
 
-from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK = 32, 4096, 32, 8, 128, 14336, 16
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -40,7 +40,7 @@ REPS = 15  # graph replays per timing (median)
 class Stack:
     """Weights and KV caches of the 32 layers, and the per-branch attention inputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_launch: KeyLoopLaunch) -> None:
         dev, dt = "cuda", torch.bfloat16
         def w(n: int, k: int) -> torch.Tensor:
             return torch.empty(n, k, dtype=dt, device=dev).uniform_(-0.02, 0.02)
@@ -55,7 +55,7 @@ class Stack:
             block_table=perm[: DECODE_BATCH * blocks_per_req].view(DECODE_BATCH, -1).int(),
             query_start_loc=torch.arange(DECODE_BATCH + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32, device=dev),
-            num_reqs=DECODE_BATCH, max_query_len=1)
+            num_reqs=DECODE_BATCH, max_query_len=1, launch=decode_launch)
 
     def prefill_meta(self, tokens: int) -> dict:
         dev = "cuda"
@@ -71,7 +71,7 @@ class Stack:
         out = torch.empty(m, HEADS, HEAD_DIM, dtype=qkv.dtype, device=qkv.device)
         paged_attention(q, self.caches[layer], meta["block_table"], meta["query_start_loc"],
                         meta["seq_lens"], meta["num_reqs"], m, meta["max_query_len"],
-                        HEAD_DIM**-0.5, out)
+                        HEAD_DIM**-0.5, out, meta.get("launch", DEFAULT_LAUNCH))
         return out.view(m, HEADS * HEAD_DIM)
 
     def mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -160,13 +160,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prefill", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--decode-launch", type=int, nargs=3, metavar=("TILE_N", "WARPS", "STAGES"),
+                        help="the decode attention's launch shape (default: the engine's); a "
+                             "small one (e.g. 32 4 1) may share an SM with a GEMM tile")
     parser.add_argument("--green", type=int, nargs="*", default=[],
                         help="SM counts for the prefill chunk's green context (skips the rest)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    stack = Stack()
+    stack = Stack(KeyLoopLaunch(*args.decode_launch) if args.decode_launch else DEFAULT_LAUNCH)
     print(f"weights and caches ready after {time.perf_counter() - t0:.1f} s", flush=True)
     x_decode = torch.randn(DECODE_BATCH, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
     g_decode = capture_graph(stack.branch(x_decode, stack.decode_meta))

@@ -138,14 +138,27 @@ def key_tile_size(head_dim_pad: int) -> int:
 @dataclass(frozen=True)
 class KeyLoopLaunch:
     """How a paged-attention kernel walks the keys: keys per tile (None: ``key_tile_size``),
-    warps per program, and K/V tiles in flight (Triton's software pipelining)."""
+    warps per program, K/V tiles in flight (Triton's software pipelining), and for the varlen
+    kernel the query-tile rows (None: ``choose_block_m``; a power of two >= 16 holding whole
+    GQA groups; the split-KV kernel ignores it)."""
 
     tile_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int | None = None
 
     def tile(self, head_dim_pad: int) -> int:
         return self.tile_n or key_tile_size(head_dim_pad)
+
+    def query_rows(self, max_query_len: int, group_pad: int) -> int:
+        if self.block_m is None:
+            return choose_block_m(max_query_len, group_pad)
+        if self.block_m < max(_MIN_DOT, group_pad) or self.block_m & (self.block_m - 1):
+            raise ValueError(
+                f"block_m: {self.block_m} must be a power of two >= 16 and >= the GQA group "
+                f"({group_pad})"
+            )
+        return self.block_m
 
 
 DEFAULT_LAUNCH = KeyLoopLaunch()
@@ -175,7 +188,7 @@ def paged_attention(
     group = num_heads // key_cache.shape[2]
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
-    block_m = choose_block_m(max_query_len, group_pad)
+    block_m = launch.query_rows(max_query_len, group_pad)
     block_q = block_m // group_pad
     dot_dtype = dot_operand_dtype(query)
     grid = (num_actual_tokens // block_q + num_reqs, key_cache.shape[2])

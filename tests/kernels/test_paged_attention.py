@@ -96,10 +96,14 @@ def test_split_kv_rejects_split_counts_out_of_range(num_splits: int) -> None:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("launch", [KeyLoopLaunch(32, 8, 2), KeyLoopLaunch(128, 4, 4)])
+@pytest.mark.parametrize(
+    "launch",
+    [KeyLoopLaunch(32, 8, 2), KeyLoopLaunch(128, 4, 4), KeyLoopLaunch(64, 8, 2, block_m=128)],
+)
 def test_other_key_loop_launches_give_the_same_attention(launch: KeyLoopLaunch) -> None:
     """The launch shapes ``benchmarks/attention_sweep.py`` times: other key tiles (32 and 128
-    keys, crossing blocks of 16 differently), warps and pipeline depths, both kernels."""
+    keys, crossing blocks of 16 differently), warps, pipeline depths and query tiles (128 rows:
+    32 queries of a 4-head group, across the 6-token prefill and past it), both kernels."""
     batch = make_paged_batch([1, 1, 6], [150, 37, 90], 8, 2, 64, 16, torch.float32)
     write_step_kv(batch)
     meta = batch.metadata
@@ -118,3 +122,15 @@ def test_other_key_loop_launches_give_the_same_attention(launch: KeyLoopLaunch) 
         meta.num_reqs, 0.125, output, 3, launch,
     )  # fmt: skip
     _check(decode, output, 0.125)
+
+
+def test_query_tile_must_hold_whole_groups() -> None:
+    batch = make_paged_batch([6], [20], 8, 2, 64, 16, torch.float32)
+    meta = batch.metadata
+    for block_m in (8, 48):
+        with pytest.raises(ValueError, match="block_m"):
+            paged_attention(
+                batch.query, batch.kv_cache, meta.block_table, meta.query_start_loc,
+                meta.seq_lens, meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, 0.125,
+                torch.empty_like(batch.query), KeyLoopLaunch(block_m=block_m),
+            )  # fmt: skip
