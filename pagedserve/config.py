@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -26,16 +27,23 @@ def choices_of(config_cls: type, name: str) -> tuple[str, ...]:
     return _literal_fields(config_cls)[name][0]
 
 
+def without_none(tp: Any) -> Any:
+    """``X | None`` -> X; anything else unchanged."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return tp
+
+
 @functools.cache
 def _literal_fields(config_cls: type) -> dict[str, tuple[tuple[str, ...], bool]]:
     """Field name -> (allowed values, whether None is allowed too), for every field typed
     ``Literal[...]`` or ``Literal[...] | None``."""
     out = {}
     for name, tp in typing.get_type_hints(config_cls).items():
-        members = typing.get_args(tp) if typing.get_origin(tp) is not Literal else ()
-        literal = next((m for m in (tp, *members) if typing.get_origin(m) is Literal), None)
-        if literal is not None:
-            out[name] = (typing.get_args(literal), type(None) in members)
+        base = without_none(tp)
+        if typing.get_origin(base) is Literal:
+            out[name] = (typing.get_args(base), base is not tp)
     return out
 
 

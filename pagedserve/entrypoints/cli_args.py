@@ -19,11 +19,10 @@ import ast
 import dataclasses
 import functools
 import inspect
-import types
 import typing
 from typing import Any, Literal
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, without_none
 from pagedserve.sampling_params import SamplingParams
 
 SAMPLING_OPTIONS = (
@@ -72,17 +71,9 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
-def _strip_none(tp: Any) -> Any:
-    """``X | None`` -> X; anything else unchanged."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        return next(a for a in args if a is not type(None))
-    return tp
-
-
 def _option_kwargs(tp: Any, default: Any, doc: str) -> dict[str, Any]:
     """argparse keyword arguments for a field of type ``tp``."""
-    base = _strip_none(tp)
+    base = without_none(tp)
     shown = "None" if default is None else repr(default)
     kwargs: dict[str, Any] = {"default": default, "help": f"{doc} (default: {shown})".strip()}
     origin = typing.get_origin(base)
