@@ -155,15 +155,6 @@ def prefill_scenario(llm: LLM, out: Path) -> dict:
     return result
 
 
-def add_norm_as_torch_code(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm's CPU code (what Inductor compiled on the GPU too before the Triton kernel)."""
-    summed = x.float() + residual.float()
-    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), summed.to(x.dtype)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=".")
@@ -181,7 +172,8 @@ def main() -> None:
         from pagedserve.compilation.aot_forward import AOT_ENV
         from pagedserve.layers import layernorm
 
-        layernorm.fused_add_rms_norm = add_norm_as_torch_code
+        # RMSNorm's CPU code: what Inductor compiled on the GPU too before the Triton kernel.
+        layernorm.fused_add_rms_norm = layernorm.add_rms_norm_torch
         # The saved-forward key hashes the sources, not this patch: neither load a forward
         # saved by a run with the kernel nor save one that a later run would load.
         os.environ[AOT_ENV] = "0"

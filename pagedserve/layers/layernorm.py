@@ -44,15 +44,25 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` [..., hidden] -> normed, or (normed, x + residual) when a residual is given."""
         if residual is None:
-            return self._normalize(x.float(), x.dtype)
+            return _normalize(x.float(), self.weight, self.eps, x.dtype)
         if kernel_applies(x, residual, self.weight):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        summed = x.float() + residual.float()  # fp32 [..., hidden]
-        return self._normalize(summed, x.dtype), summed.to(x.dtype)
+        return add_rms_norm_torch(x, residual, self.weight, self.eps)
 
-    def _normalize(self, x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The add + norm in torch ops: the CPU's implementation and the kernel's reference."""
+    summed = x.float() + residual.float()  # fp32 [..., hidden]
+    return _normalize(summed, weight, eps, x.dtype), summed.to(x.dtype)
+
+
+def _normalize(
+    x32: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype)
 
 
 def kernel_applies(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
