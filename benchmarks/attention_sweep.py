@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 import torch
-from graph_timing import COPY_BANDWIDTH, graph_time_ms
+from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, graph_time_ms
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
@@ -30,7 +30,6 @@ from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DECODE = {"b64": (64, 1024), "b256": (256, 1500)}  # requests, context
 PREFILL = {"p8x1024": (8, 1024), "p4x2048": (4, 2048)}  # prompts, prompt length
-MATMUL_PEAK = 800e12  # FLOP/s, measured bf16 matmul on the H200 (issue 11)
 
 
 def graph_us(fn, launches: int = 10, reps: int = 15) -> float:

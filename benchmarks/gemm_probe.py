@@ -2,12 +2,13 @@
 
     python benchmarks/gemm_probe.py --out DIR [--rows 64 256 8192]
 
-The Llama-3-8B linear layers (qkv, o_proj, gate_up, down, LM head) as ``F.linear`` on bf16
-random weights, at the token counts of a batch-64 decode step, a batch-256 decode step (target
-3's decode) and an 8,192-token prefill step: first with cuBLAS's heuristic choice, then with
-torch's TunableOp (``torch.cuda.tunable``: every candidate algorithm timed once per shape, the
-fastest kept). Each: median of 15 replays of a CUDA graph of 10 calls, as us per call and as
-FLOP/s against the bf16 matmul peak; ``step_ms`` adds one step's worth (32 layers + LM head).
+The Llama-3-8B linear layers (qkv, o, gate_up, down, LM head: ``gemv_sweep.py``'s shapes) as
+``F.linear`` on bf16 random weights, at the token counts of a batch-64 decode step, a batch-256
+decode step (target 3's decode) and an 8,192-token prefill step: first with cuBLAS's heuristic
+choice, then with torch's TunableOp (``torch.cuda.tunable``: every candidate algorithm timed
+once per shape, the fastest kept). Each: median of 15 replays of a CUDA graph of 10 calls, as us
+per call and as FLOP/s against the bf16 matmul peak; ``step_ms`` adds one step's worth (32
+layers + LM head).
 Writes ``gemm_probe.json`` and TunableOp's ``tunableop_results.csv``.
 """
 
@@ -19,18 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from graph_timing import graph_time_ms
+from gemv_sweep import LAYERS, LM_HEAD
+from gemv_sweep import SHAPES as LAYER_SHAPES
+from graph_timing import MATMUL_PEAK, graph_time_ms
 
-HIDDEN, FFN, VOCAB, LAYERS = 4096, 14336, 128256, 32
 # name -> (out features, in features, calls per step)
-SHAPES = {
-    "qkv": (6144, HIDDEN, LAYERS),
-    "o_proj": (HIDDEN, HIDDEN, LAYERS),
-    "gate_up": (2 * FFN, HIDDEN, LAYERS),
-    "down": (HIDDEN, FFN, LAYERS),
-    "lm_head": (VOCAB, HIDDEN, 1),
-}
-MATMUL_PEAK = 800e12  # FLOP/s, measured bf16 matmul on the H200 (issue 11)
+SHAPES = {**{name: (*shape, LAYERS) for name, shape in LAYER_SHAPES.items()},
+          "lm_head": (*LM_HEAD, 1)}
 
 
 def time_shapes(rows: int) -> dict:

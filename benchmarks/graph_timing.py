@@ -6,7 +6,10 @@ from collections.abc import Callable
 
 import torch
 
-COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device copy on the H200 (issue 11)
+from pagedserve.entrypoints.bench.roofline import MEASURED_CEILINGS
+
+# The H200's measured device copy (bytes/s) and bf16 matmul rate (FLOP/s), as the roofline uses.
+COPY_BANDWIDTH, MATMUL_PEAK = MEASURED_CEILINGS["H200"]
 
 
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
