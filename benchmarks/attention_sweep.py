@@ -3,13 +3,14 @@
     python benchmarks/attention_sweep.py --out DIR [--scenarios b64,b256,p8x1024,p4x2048]
 
 Decode batches of the issue-11 workloads (64 requests at context 1024: target 2; 256 at 1500:
-the middle of target 3's decode) and prefill steps (8 prompts of 1024 tokens: a step of target
-3's prefill; 4 of 2048: target 4's), bf16 paged KV cache (block size 16, shuffled block
-tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (what a decode batch runs when
-splitting would not add programs) and the split-KV kernels at forced split counts, every
-key-tile size, warp count and pipeline depth listed below, as KV bytes read per second against
-the card's copy bandwidth. Prefill: the varlen kernel with query tiles of 64 and 128 rows, as
-causal attention FLOPs per second against the bf16 matmul peak. Each: median of 15 replays of
+the middle of target 3's decode; b256r: 256 at contexts uniform in 1000..2000, as target 3's
+decode sees them; b16 and b128 at 1024) and prefill steps (8 prompts of 1024 tokens: a step of
+target 3's prefill; 4 of 2048: target 4's), bf16 paged KV cache (block size 16, shuffled block
+tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (splits 0 below) and the
+split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and pipeline depth listed
+below, as KV bytes read per second against the card's copy bandwidth. Prefill: the varlen
+kernel with query tiles of 64 and 128 rows, as causal attention FLOPs per second against the
+bf16 matmul peak. Each: median of 15 replays of
 a CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
 shape per scenario).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +30,9 @@ from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, pa
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-DECODE = {"b64": (64, 1024), "b256": (256, 1500)}  # requests, context
+# requests, context (a pair: uniform in that range)
+DECODE = {"b64": (64, 1024), "b256": (256, 1500), "b256r": (256, (1000, 2000)),
+          "b16": (16, 1024), "b128": (128, 1024)}
 PREFILL = {"p8x1024": (8, 1024), "p4x2048": (4, 2048)}  # prompts, prompt length
 
 
@@ -37,10 +41,15 @@ def graph_us(fn, launches: int = 10, reps: int = 15) -> float:
     return graph_time_ms(lambda: [fn() for _ in range(launches)], reps) * 1e3 / launches
 
 
-def paged_batch(num_reqs: int, query_len: int, context: int, dev: str = "cuda") -> dict:
+def paged_batch(num_reqs: int, query_len: int, context, dev: str = "cuda") -> dict:
     """``num_reqs`` requests of ``query_len`` new tokens each at ``context`` tokens (the new
-    ones included), random keys and values in shuffled cache blocks."""
-    blocks_per_req = -(-context // BLOCK)
+    ones included; a (low, high) pair: uniform in it), random keys and values in shuffled
+    cache blocks."""
+    if isinstance(context, tuple):
+        seq_lens = torch.randint(context[0], context[1] + 1, (num_reqs,), device=dev)
+    else:
+        seq_lens = torch.full((num_reqs,), context, device=dev)
+    blocks_per_req = -(-int(seq_lens.max()) // BLOCK)
     num_blocks = num_reqs * blocks_per_req + 1
     table = (torch.randperm(num_blocks - 1, device=dev) + 1).view(num_reqs, blocks_per_req)
     num_tokens = num_reqs * query_len
@@ -51,59 +60,69 @@ def paged_batch(num_reqs: int, query_len: int, context: int, dev: str = "cuda") 
         block_table=table.to(torch.int32),
         query_start_loc=torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32,
                                      device=dev),
-        seq_lens=torch.full((num_reqs,), context, dtype=torch.int32, device=dev),
+        seq_lens=seq_lens.to(torch.int32),
         output=torch.empty(num_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
         num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=query_len,
     )
 
 
-def runner(b: dict, splits: int, launch: KeyLoopLaunch):
-    if splits == 1:
-        return lambda: paged_attention(b["query"], b["kv_cache"], b["block_table"],
-                                       b["query_start_loc"], b["seq_lens"], b["num_reqs"],
-                                       b["num_tokens"], b["max_query_len"], HEAD_DIM**-0.5,
-                                       b["output"], launch)
-    return lambda: paged_attention_split_kv(b["query"], b["kv_cache"], b["block_table"],
-                                            b["query_start_loc"], b["seq_lens"], b["num_reqs"],
-                                            HEAD_DIM**-0.5, b["output"], splits, launch)
+@dataclass(frozen=True)
+class Variant:
+    """splits 0: the varlen kernel; else the split-KV kernel with that many segments."""
+
+    splits: int
+    launch: KeyLoopLaunch
+
+    def runner(self, b: dict):
+        if self.splits == 0:
+            return lambda: paged_attention(b["query"], b["kv_cache"], b["block_table"],
+                                           b["query_start_loc"], b["seq_lens"], b["num_reqs"],
+                                           b["num_tokens"], b["max_query_len"], HEAD_DIM**-0.5,
+                                           b["output"], self.launch)
+        return lambda: paged_attention_split_kv(b["query"], b["kv_cache"], b["block_table"],
+                                                b["query_start_loc"], b["seq_lens"],
+                                                b["num_reqs"], HEAD_DIM**-0.5, b["output"],
+                                                self.splits, self.launch)
+
+    def row(self) -> dict:
+        return {"splits": self.splits, "launch": self.launch.__dict__}
 
 
-def decode_variants() -> list[tuple[int, KeyLoopLaunch]]:
-    out = [(1, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
-    out += [(1, KeyLoopLaunch(t, w, s))
-            for t, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
-            if (t, w, s) != (64, 4, 3)]
-    out += [(n, KeyLoopLaunch(t, w, 3)) for n, t, w in itertools.product((2, 4), (64, 128), (4, 8))]
+def decode_variants() -> list[Variant]:
+    out = [Variant(0, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
+    launches = [KeyLoopLaunch(t, w, s) for t, w, s in
+                ((64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 4, 4), (128, 8, 3))]
+    out += [Variant(n, launch) for n, launch in itertools.product((1, 2, 4), launches)]
     return out
 
 
-def prefill_variants() -> list[tuple[int, KeyLoopLaunch]]:
+def prefill_variants() -> list[Variant]:
     """Query tiles of 64 rows (the default: 16 queries x 4 heads) and 128, with key tiles,
     warps and pipeline depths."""
-    out = [(1, DEFAULT_LAUNCH)]
-    out += [(1, KeyLoopLaunch(t, w, s, m))
+    out = [Variant(0, DEFAULT_LAUNCH)]
+    out += [Variant(0, KeyLoopLaunch(t, w, s, m))
             for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
             if (m, t, w, s) != (64, 64, 4, 3)]
     return out
 
 
-def sweep(b: dict, variants: list[tuple[int, KeyLoopLaunch]], work: float, ceiling: float):
+def sweep(b: dict, variants: list[Variant], work: float, ceiling: float):
     """Each variant's us per launch, error against the default's output, and ``work`` (bytes
     or FLOPs) per second against ``ceiling``; the default first, then the rest by time."""
-    runner(b, 1, DEFAULT_LAUNCH)()
+    Variant(0, DEFAULT_LAUNCH).runner(b)()
     reference = b["output"].clone()
     rows = []
-    for splits, launch in variants:
+    for variant in variants:
         try:
-            fn = runner(b, splits, launch)
+            fn = variant.runner(b)
             b["output"].fill_(float("nan"))  # a variant that skips rows shows as an error
             fn()
             err = (b["output"].float() - reference.float()).abs().max().item()
             us = graph_us(fn)
         except Exception as e:  # a shape that does not compile (shared memory)
-            rows.append({"splits": splits, "launch": launch.__dict__, "error": str(e)[:160]})
+            rows.append({**variant.row(), "error": str(e)[:160]})
             continue
-        rows.append({"splits": splits, "launch": launch.__dict__, "us": us, "max_err": err,
+        rows.append({**variant.row(), "us": us, "max_err": err,
                      "of_ceiling": work / (us * 1e-6) / ceiling})
     return rows[0], sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
 
@@ -120,7 +139,7 @@ def main() -> None:
         if name in DECODE:  # bandwidth-bound: KV bytes read against the copy bandwidth
             num_reqs, context = DECODE[name]
             b = paged_batch(num_reqs, 1, context)
-            work, ceiling, variants = (num_reqs * context * KV_HEADS * HEAD_DIM * 2 * 2,
+            work, ceiling, variants = (int(b["seq_lens"].sum()) * KV_HEADS * HEAD_DIM * 2 * 2,
                                        COPY_BANDWIDTH, decode_variants())
         else:  # compute-bound: causal QK^T and PV FLOPs against the matmul peak
             num_reqs, context = PREFILL[name]
@@ -136,7 +155,8 @@ def main() -> None:
               f"{ok[0]['launch']} {ok[0]['us']:.1f} us ({ok[0]['of_ceiling']:.3f}), "
               f"err {ok[0]['max_err']:.2e}", flush=True)
         for r in ok[1:6]:
-            print(f"    {r['splits']} {r['launch']} {r['us']:.1f} us", flush=True)
+            print(f"    {r['splits']} {r['launch']} {r['us']:.1f} us",
+                  flush=True)
         (args.out / "attention_sweep.json").write_text(json.dumps(report, indent=1))
     (args.out / "best.json").write_text(json.dumps(best, indent=1))
 

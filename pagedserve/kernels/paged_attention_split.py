@@ -4,9 +4,12 @@ A decode batch has few query rows, so one program per (request, kv head) leaves 
 idle on long contexts. Here each request's keys are cut into ``num_splits`` segments of
 ``ceil(ceil(seq_len / num_splits) / TILE_N) * TILE_N`` keys that run in parallel; each segment
 writes its unnormalized partial output with its softmax max and sum (log2 domain), and a reduce
-kernel rescales and sums the segments. ``num_splits`` is chosen on the host per batch; the
-segment length comes from ``seq_lens`` on the device, so any replay of the same launch stays
-correct.
+kernel rescales and sums the segments (with one segment the kernel writes the normalized output
+itself and no reduce runs). ``num_splits`` is chosen on the host per batch; the segment length
+comes from ``seq_lens`` on the device, so any replay of the same launch stays correct.
+
+One program per (request, kv head, segment) item, numbered segment fastest; it finds its
+request by division, where the varlen kernel searches ``query_start_loc``.
 
 ``num_splits`` is a runtime argument, not a constexpr: every split count shares one compiled
 variant of each kernel (a constexpr count compiled a new variant per count, ~0.5-1 s each on
@@ -42,6 +45,7 @@ def _segment_len(seq_len, num_splits, TILE_N: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits"])  # per-step ints: kernels/__init__
 def _split_kv_kernel(
+    output_ptr,  # [num_tokens, num_heads, head_dim] (written when num_splits == 1)
     partial_out_ptr,  # fp32 [num_reqs, num_heads, num_splits, HEAD_DIM_PAD]
     partial_max_ptr,  # fp32 [num_reqs, num_heads, num_splits]
     partial_sum_ptr,  # fp32 [num_reqs, num_heads, num_splits]
@@ -55,6 +59,8 @@ def _split_kv_kernel(
     num_splits,
     stride_q_tok,
     stride_q_head,
+    stride_o_tok,
+    stride_o_head,
     stride_kc_block,
     stride_kc_off,
     stride_kc_head,
@@ -72,44 +78,54 @@ def _split_kv_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """One program per item (request, kv head, segment), segment fastest: the decode row of
+    every q head of the kv head against the segment's keys. It writes the normalized output when
+    the request is one segment, else the segment's unnormalized output and softmax statistics
+    for the reduce kernel."""
+    NUM_KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
+    item = tl.program_id(0)
+    split = item % num_splits
+    kv_head = (item // num_splits) % NUM_KV_HEADS
+    req = item // (num_splits * NUM_KV_HEADS)
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_start:
-        return  # a request without a query row this step
     seq_len = tl.load(seq_lens_ptr + req)
     seg_len = _segment_len(seq_len, num_splits, TILE_N)
     kv_start = split * seg_len
-    if kv_start >= seq_len:
-        return  # an empty segment; the reduce kernel skips it
     kv_end = tl.minimum(seq_len, kv_start + seg_len)
-
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     head = kv_head * GROUP + offs_m
     row_mask = offs_m < GROUP
-    q_off = q_start.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
-    q_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(query_ptr + q_off, mask=q_mask, other=0.0).to(DOT_DTYPE)
-
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)  # the decode row sees every key
-    acc, m_i, l_i = attend_kv_range(
-        acc, m_i, l_i, q, q_pos, seq_len - 1,
-        key_cache_ptr, value_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt, kv_head,
-        kv_start, kv_end, qk_scale,
-        stride_kc_block, stride_kc_off, stride_kc_head,
-        stride_vc_block, stride_vc_off, stride_vc_head,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
-    )  # fmt: skip
-    stat_off = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_M]
-    tl.store(partial_max_ptr + stat_off, m_i, mask=row_mask)
-    tl.store(partial_sum_ptr + stat_off, l_i, mask=row_mask)
-    out_off = stat_off[:, None] * HEAD_DIM_PAD + offs_d[None, :]
-    tl.store(partial_out_ptr + out_off, acc, mask=row_mask[:, None])
+    mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    token = q_start.to(tl.int64)
+    # Skipped: a request without a query row this step, and an empty segment after the first
+    # (the reduce kernel skips it too).
+    live = (kv_start < seq_len) | (split == 0)
+    if (tl.load(query_start_loc_ptr + req + 1) > q_start) & live:
+        q_off = token * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
+        q = tl.load(query_ptr + q_off, mask=mask, other=0.0).to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)  # the row sees every key
+        acc, m_i, l_i = attend_kv_range(
+            acc, m_i, l_i, q, q_pos, seq_len - 1,
+            key_cache_ptr, value_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
+            kv_head, kv_start, kv_end, qk_scale,
+            stride_kc_block, stride_kc_off, stride_kc_head,
+            stride_vc_block, stride_vc_off, stride_vc_head,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+        if num_splits == 1:
+            o_off = token * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+            out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # 0 if no keys
+            tl.store(output_ptr + o_off, out, mask=mask)
+        else:
+            stat_off = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split  # [BLOCK_M]
+            tl.store(partial_max_ptr + stat_off, m_i, mask=row_mask)
+            tl.store(partial_sum_ptr + stat_off, l_i, mask=row_mask)
+            out_off = stat_off[:, None] * HEAD_DIM_PAD + offs_d[None, :]
+            tl.store(partial_out_ptr + out_off, acc, mask=row_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # per-step ints: kernels/__init__
@@ -170,7 +186,8 @@ def paged_attention_split_kv(
 ) -> None:
     """Decode attention (max_query_len <= 1) with each request's keys split into ``num_splits``
     (1 to ``MAX_NUM_SPLITS``) parallel segments. Writes only the rows ``query_start_loc[i]`` of
-    requests with a query row. Every split count runs the same compiled kernels."""
+    requests with a query row. Every split count runs the same compiled kernels; one segment
+    needs no reduce kernel."""
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_splits: must be in 1..{MAX_NUM_SPLITS}, got {num_splits}")
     if num_reqs == 0:
@@ -187,11 +204,11 @@ def paged_attention_split_kv(
     partial_out = torch.empty((*stats_shape, head_dim_pad), dtype=torch.float32, device=device)
     partial_max = torch.empty(stats_shape, dtype=torch.float32, device=device)  # log2 domain
     partial_sum = torch.empty_like(partial_max)  # fp32 [num_reqs, num_heads, num_splits]
-    _split_kv_kernel[(num_reqs, key_cache.shape[2], num_splits)](
-        partial_out, partial_max, partial_sum,
+    _split_kv_kernel[(num_reqs * key_cache.shape[2] * num_splits,)](
+        output, partial_out, partial_max, partial_sum,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale * LOG2_E, num_splits,
-        query.stride(0), query.stride(1),
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
@@ -201,6 +218,8 @@ def paged_attention_split_kv(
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
+    if num_splits == 1:
+        return  # the one segment wrote the normalized output itself
     _reduce_splits_kernel[(num_reqs, num_heads)](
         output, partial_out, partial_max, partial_sum, seq_lens, query_start_loc, num_splits,
         output.stride(0), output.stride(1),

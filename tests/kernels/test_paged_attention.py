@@ -85,6 +85,21 @@ def test_split_kv_decode_long_context(dtype: torch.dtype, num_splits: int) -> No
     _check(batch, output, 0.125)
 
 
+def test_split_kv_one_segment_writes_the_output_itself() -> None:
+    # No reduce kernel: the lone segment normalizes. A padded request (no query row) is skipped.
+    batch = make_paged_batch([1, 1, 1], [150, 3, 263], 8, 2, 64, 4, torch.float32, num_padding=1)
+    write_step_kv(batch)
+    meta = batch.metadata
+    qsl = torch.cat([meta.query_start_loc, meta.query_start_loc[-1:]])
+    table = torch.cat([meta.block_table, meta.block_table[:1]])
+    seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32)])
+    output = torch.full_like(batch.query, SENTINEL)
+    paged_attention_split_kv(
+        batch.query, batch.kv_cache, table, qsl, seq_lens, meta.num_reqs + 1, 0.125, output, 1,
+    )  # fmt: skip
+    _check(batch, output, 0.125)
+
+
 @pytest.mark.parametrize("num_splits", [0, MAX_NUM_SPLITS + 1])
 def test_split_kv_rejects_split_counts_out_of_range(num_splits: int) -> None:
     batch = make_paged_batch([1], [10], 2, 2, 64, 4, torch.float32)

@@ -84,11 +84,29 @@ def test_forward_rejects_bad_inputs() -> None:
         TritonBackend(target_programs=16, min_keys_per_split=0)
 
 
-@pytest.mark.parametrize("min_keys_per_split", [16, 10_000])  # split-KV path, varlen kernel
-def test_padded_requests_of_a_full_graph_write_nothing(min_keys_per_split: int) -> None:
+def test_large_unsplit_decode_batch_runs_the_split_kv_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More (request, kv head) pairs than target programs: one segment each, split-KV kernel."""
+    def no_varlen(*args, **kwargs) -> None:
+        raise AssertionError("the varlen kernel ran a large decode batch")
+
+    monkeypatch.setattr("pagedserve.attention.backends.triton.paged_attention", no_varlen)
+    backend = TritonBackend(target_programs=4, min_keys_per_split=10_000)
+    batch = make_paged_batch([1, 1, 1], [97, 20, 51], 4, 2, 64, 8, torch.float32)
+    _check_against_oracles(backend, batch, 0.125)
+
+
+@pytest.mark.parametrize(
+    "target_programs,min_keys_per_split",
+    [(64, 16), (4, 10_000), (64, 10_000)],  # split-KV: several segments, one; varlen kernel
+)  # fmt: skip
+def test_padded_requests_of_a_full_graph_write_nothing(
+    target_programs: int, min_keys_per_split: int
+) -> None:
     """FULL-graph padding appends requests with no query row (query_start_loc repeats, seq_len
     0); they must be skipped, leaving their rows and the padding rows untouched."""
-    backend = TritonBackend(target_programs=64, min_keys_per_split=min_keys_per_split)
+    backend = TritonBackend(target_programs, min_keys_per_split)
     batch = make_paged_batch([1, 1], [70, 33], 4, 2, 64, 8, torch.float32, num_padding=2)
     meta = batch.metadata
     meta.num_reqs = 4

@@ -12,20 +12,26 @@ import torch
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.kernels.attention_common import check_attention_args
 from pagedserve.kernels.kv_write import write_kv
-from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 
-# Programs per streaming multiprocessor the split-KV path aims for.
+# Programs per streaming multiprocessor the split-KV path aims for (one program per request,
+# kv head and segment).
 _PROGRAMS_PER_SM = 4
-# Program count assumed where no CUDA device tells its SM count (interpreter runs).
-_DEFAULT_TARGET_PROGRAMS = 16
+# Key loops, the fastest in benchmarks/attention_sweep.py and then in the engine on the H200
+# (BENCHMARKS.md, session 6): the split-KV kernel's for decode batches, the varlen kernel's
+# for batches with prefill rows. A decode batch of few (request, kv head) pairs that is not
+# split keeps the varlen kernel at its default shape (faster in the engine at batch 64).
+SPLIT_KV_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
+PREFILL_LAUNCH = KeyLoopLaunch(num_stages=2)
+# SM count assumed where no CUDA device tells its own (interpreter runs).
+_DEFAULT_SMS = 4
 
 
-def _default_target_programs() -> int:
+def _sm_count() -> int:
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return _PROGRAMS_PER_SM * props.multi_processor_count
-    return _DEFAULT_TARGET_PROGRAMS
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return _DEFAULT_SMS
 
 
 def choose_num_splits(
@@ -49,9 +55,10 @@ def choose_num_splits(
 class TritonBackend:
     """AttentionBackend on Triton kernels.
 
-    Batches whose queries are all single rows (``max_query_len == 1``) take the split-KV decode
-    path when splitting gives more than one segment; everything else runs the varlen kernel.
-    Under a FULL CUDA graph the split count is fixed at capture (from the capture's
+    Batches whose queries are all single rows (``max_query_len == 1``) run the split-KV decode
+    kernel when splitting gives more than one segment, or when their (request, kv head) pairs
+    alone exceed ``target_programs``; everything else runs the varlen kernel. Under a FULL CUDA
+    graph both choices are fixed at capture (from the capture's ``num_reqs`` and
     ``max_seq_len``); the results stay exact for any replayed seq_lens.
     """
 
@@ -60,7 +67,7 @@ class TritonBackend:
     def __init__(self, target_programs: int | None = None, min_keys_per_split: int = 128) -> None:
         if min_keys_per_split < 1:
             raise ValueError(f"min_keys_per_split: must be >= 1, got {min_keys_per_split}")
-        self.target_programs = target_programs or _default_target_programs()
+        self.target_programs = target_programs or _PROGRAMS_PER_SM * _sm_count()
         self.min_keys_per_split = min_keys_per_split
 
     def write_kv(
@@ -87,8 +94,9 @@ class TritonBackend:
             raise ValueError("metadata.causal: the triton backend only runs causal attention")
         if metadata.num_actual_tokens == 0:
             return
-        num_splits = 1
+        launch = PREFILL_LAUNCH
         if metadata.max_query_len == 1:
+            pairs = metadata.num_reqs * kv_cache.shape[3]
             num_splits = choose_num_splits(
                 metadata.num_reqs,
                 kv_cache.shape[3],
@@ -96,13 +104,16 @@ class TritonBackend:
                 self.target_programs,
                 self.min_keys_per_split,
             )
-        if num_splits > 1:
-            paged_attention_split_kv(
-                query, kv_cache, metadata.block_table, metadata.query_start_loc,
-                metadata.seq_lens, metadata.num_reqs, scale, output, num_splits,
-            )  # fmt: skip
-            return
+            if num_splits > 1 or pairs > self.target_programs:
+                paged_attention_split_kv(
+                    query, kv_cache, metadata.block_table, metadata.query_start_loc,
+                    metadata.seq_lens, metadata.num_reqs, scale, output, num_splits,
+                    SPLIT_KV_LAUNCH,
+                )  # fmt: skip
+                return
+            launch = DEFAULT_LAUNCH
         paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len, scale, output,
+            launch,
         )  # fmt: skip
