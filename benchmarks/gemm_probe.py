@@ -58,13 +58,15 @@ def main() -> None:
     torch.cuda.tunable.set_filename(str(args.out / "tunableop_results.csv"))
     for rows in args.rows:
         report["tuned"][rows] = time_shapes(rows)
-    torch.cuda.tunable.write_file()
+    (args.out / "gemm_probe.json").write_text(json.dumps(report, indent=1))
+    write_file = getattr(torch.cuda.tunable, "write_file", None)  # torch 2.11 writes on exit
+    if write_file is not None:
+        write_file()
     for rows in args.rows:
         d, t = report["default"][rows], report["tuned"][rows]
         print(f"rows {rows}: step {d['step_ms']:.3f} -> {t['step_ms']:.3f} ms; " + ", ".join(
             f"{n} {d[n]['of_peak']:.2f}->{t[n]['of_peak']:.2f}" for n in SHAPES if n in d),
             flush=True)
-    (args.out / "gemm_probe.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

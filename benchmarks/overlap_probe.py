@@ -37,15 +37,20 @@ DECODE_BATCH, DECODE_CONTEXT = 256, 1500
 REPS = 15  # graph replays per timing (median)
 
 
+def layer_weights() -> list[tuple[torch.Tensor, ...]]:
+    """Random bf16 (qkv, o, gate_up, down) weights of the 32 layers, [out, in] each."""
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.empty(n, k, dtype=torch.bfloat16, device="cuda").uniform_(-0.02, 0.02)
+    return [(w(QKV, HIDDEN), w(HIDDEN, HEADS * HEAD_DIM), w(2 * FFN, HIDDEN), w(HIDDEN, FFN))
+            for _ in range(LAYERS)]
+
+
 class Stack:
     """Weights and KV caches of the 32 layers, and the per-branch attention inputs."""
 
     def __init__(self, decode_launch: KeyLoopLaunch) -> None:
         dev, dt = "cuda", torch.bfloat16
-        def w(n: int, k: int) -> torch.Tensor:
-            return torch.empty(n, k, dtype=dt, device=dev).uniform_(-0.02, 0.02)
-        self.layers = [(w(QKV, HIDDEN), w(HIDDEN, HEADS * HEAD_DIM), w(2 * FFN, HIDDEN),
-                        w(HIDDEN, FFN)) for _ in range(LAYERS)]
+        self.layers = layer_weights()
         blocks_per_req = DECODE_CONTEXT // BLOCK + 1
         self.num_blocks = DECODE_BATCH * blocks_per_req + 1
         self.caches = [torch.empty(2, self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,

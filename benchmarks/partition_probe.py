@@ -1,0 +1,275 @@
+"""Can decode attention and prefill GEMMs run side by side on disjoint sets of SMs?
+
+    python benchmarks/partition_probe.py --out DIR
+
+Session 5 measured that two streams do not overlap our kernels: each one fills every SM. Here the
+card is split instead: the attention runs as a *persistent* kernel of G programs (each loops over
+(request, kv head) items, so it holds at most G SMs), and cuBLAS is told to target N - c SMs
+(``torch._C._set_sm_carveout_experimental(c)``, N the card's SM count). Llama-3-8B shape, bf16,
+32 layers:
+  attention: the decode batch's attention (256 requests, context 1500: 50 GB of KV per pass),
+      persistent with G programs and several launch shapes, against the engine's split-KV
+      launch; answers how many SMs a full-bandwidth read needs;
+  gemm: a prefill chunk's four GEMMs per layer (qkv, o, gate_up, down at M = P rows) with the
+      carveout c, on the default cuBLAS path and on cuBLASLt; answers whether the SM target
+      is honoured;
+  together: the GEMM chain (carveout c) on one stream and the attention (G programs) on
+      another, both CUDA graphs, against one after the other. The hidden fraction is
+      (attention + gemm - together) / min(attention, gemm): 1 is a perfect overlap.
+Writes ``partition_probe.json``; what it means: BENCHMARKS.md, session 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, capture_graph, median_ms
+from overlap_probe import (
+    BLOCK,
+    DECODE_BATCH,
+    DECODE_CONTEXT,
+    FFN,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    QKV,
+    fork_join,
+    layer_weights,
+)
+
+from pagedserve.kernels.attention_common import LOG2_E, attend_kv_range
+from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
+
+REPS = 15
+
+
+@triton.jit
+def _persistent_decode_kernel(
+    out_ptr,  # [num_reqs, HEADS, HEAD_DIM]
+    q_ptr,  # [num_reqs, HEADS, HEAD_DIM]
+    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
+    block_table_ptr,  # int32 [num_reqs, max_blocks]
+    seq_lens_ptr,  # int32 [num_reqs]
+    num_items,  # num_reqs * KV_HEADS
+    qk_scale,
+    stride_kc_block,
+    stride_kc_off,
+    stride_kc_head,
+    stride_bt,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program p handles items p, p + G, p + 2G, ... (item = request * KV_HEADS + kv head): the
+    one decode row of each q head of the group against all the request's keys."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < GROUP
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        req = item // KV_HEADS
+        kv_head = item % KV_HEADS
+        seq_len = tl.load(seq_lens_ptr + req)
+        head = kv_head * GROUP + offs_m
+        off = (req.to(tl.int64) * GROUP * KV_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptr + off, mask=row_mask[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
+        acc, m_i, l_i = attend_kv_range(
+            acc, m_i, l_i, q, q_pos, seq_len - 1,
+            key_cache_ptr, value_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
+            kv_head, 0, seq_len, qk_scale,
+            stride_kc_block, stride_kc_off, stride_kc_head,
+            stride_kc_block, stride_kc_off, stride_kc_head,
+            HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+        tl.store(out_ptr + off, acc / l_i[:, None], mask=row_mask[:, None])
+
+
+class Decode:
+    """The decode batch's 32 layers of KV cache and its per-layer query and output."""
+
+    def __init__(self) -> None:
+        dev, dt = "cuda", torch.bfloat16
+        blocks_per_req = DECODE_CONTEXT // BLOCK + 1
+        num_blocks = DECODE_BATCH * blocks_per_req + 1
+        self.caches = [torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,
+                                   device=dev).uniform_(-1, 1) for _ in range(LAYERS)]
+        perm = torch.randperm(num_blocks - 1, device=dev) + 1
+        self.block_table = perm[: DECODE_BATCH * blocks_per_req].view(DECODE_BATCH, -1).int()
+        self.seq_lens = torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32,
+                                   device=dev)
+        self.query_start_loc = torch.arange(DECODE_BATCH + 1, dtype=torch.int32, device=dev)
+        self.q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, dtype=dt, device=dev)
+        self.out = torch.empty_like(self.q)  # [DECODE_BATCH, HEADS, HEAD_DIM]
+        self.kv_bytes = LAYERS * DECODE_BATCH * DECODE_CONTEXT * KV_HEADS * HEAD_DIM * 2 * 2
+
+    def persistent(self, programs: int, tile_n: int, warps: int, stages: int):
+        def run() -> None:
+            for cache in self.caches:
+                k = cache[0]
+                _persistent_decode_kernel[(programs,)](
+                    self.out, self.q, k, cache[1], self.block_table, self.seq_lens,
+                    DECODE_BATCH * KV_HEADS, HEAD_DIM**-0.5 * LOG2_E,
+                    k.stride(0), k.stride(1), k.stride(2), self.block_table.stride(0),
+                    KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
+                    BLOCK_SIZE=BLOCK, BLOCK_M=16, TILE_N=tile_n,
+                    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
+                    num_warps=warps, num_stages=stages,
+                )  # fmt: skip
+        return run
+
+    def engine(self, splits: int):
+        def run() -> None:
+            for cache in self.caches:
+                paged_attention_split_kv(self.q, cache, self.block_table, self.query_start_loc,
+                                         self.seq_lens, DECODE_BATCH, HEAD_DIM**-0.5,
+                                         self.out, splits)
+        return run
+
+
+class PrefillGemms:
+    """A prefill chunk's qkv, o, gate_up and down GEMMs for 32 layers (activations reused)."""
+
+    def __init__(self, rows: int) -> None:
+        dev, dt = "cuda", torch.bfloat16
+        self.weights = layer_weights()
+        self.x = torch.randn(rows, HIDDEN, dtype=dt, device=dev)  # [rows, HIDDEN]
+        self.ffn_in = torch.randn(rows, FFN, dtype=dt, device=dev)  # [rows, FFN]
+        self.outs = [torch.empty(rows, n, dtype=dt, device=dev)  # [rows, out features]
+                     for n in (QKV, HIDDEN, 2 * FFN, HIDDEN)]
+        self.flops = 2 * rows * LAYERS * HIDDEN * (QKV + HIDDEN + 2 * FFN + FFN)
+
+    def run(self) -> None:
+        for layer in self.weights:
+            for weight, out in zip(layer, self.outs, strict=True):
+                x = self.ffn_in if weight.shape[1] == FFN else self.x
+                torch.matmul(x, weight.t(), out=out)
+
+
+def carved_graph(fn, carveout: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` captured with cuBLAS targeting (SMs - carveout) SMs."""
+    torch._C._set_sm_carveout_experimental(carveout or None)
+    try:
+        return capture_graph(fn)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+
+
+def attention_rows(decode: Decode, sms: int) -> dict:
+    ref = decode.out.clone()
+    decode.engine(8)()
+    ref.copy_(decode.out)
+    rows = {}
+    for splits in (1, 4, 8):
+        graph = capture_graph(decode.engine(splits))
+        rows[f"engine_splits{splits}"] = median_ms(graph.replay, REPS)
+    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
+    for tile_n, warps, stages in shapes:
+        for frac in (0.25, 0.375, 0.5, 0.75, 1, 2):
+            programs = max(1, int(sms * frac))
+            fn = decode.persistent(programs, tile_n, warps, stages)
+            fn()
+            err = (decode.out.float() - ref.float()).abs().max().item()
+            ms = median_ms(capture_graph(fn).replay, REPS)
+            rows[f"persist_t{tile_n}w{warps}s{stages}_g{programs}"] = ms
+            print(f"  attention t{tile_n} w{warps} s{stages} G={programs}: {ms:.2f} ms "
+                  f"({decode.kv_bytes / (ms * 1e-3) / COPY_BANDWIDTH:.2f} of copy bw, "
+                  f"max err {err:.3g})", flush=True)
+    return rows
+
+
+def gemm_rows(gemms: PrefillGemms, sms: int, carveouts: list[int]) -> dict:
+    rows = {}
+    for backend in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(backend)
+        for c in carveouts:
+            ms = median_ms(carved_graph(gemms.run, c).replay, REPS)
+            rows[f"{backend}_c{c}"] = ms
+            print(f"  gemm {backend} carveout {c} ({sms - c} SMs): {ms:.2f} ms "
+                  f"({gemms.flops / (ms * 1e-3) / MATMUL_PEAK:.2f} of peak)", flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
+def pair_row(g_attn: torch.cuda.CUDAGraph, g_gemm: torch.cuda.CUDAGraph,
+             streams: list[torch.cuda.Stream]) -> dict:
+    """Each graph alone, then both at once on two streams (the GEMMs launched first)."""
+    a, g = median_ms(g_attn.replay, REPS), median_ms(g_gemm.replay, REPS)
+    both = median_ms(lambda: fork_join([(streams[0], g_gemm.replay),
+                                        (streams[1], g_attn.replay)]), REPS)
+    return {"attention_ms": a, "gemm_ms": g, "together_ms": both,
+            "hidden": (a + g - both) / min(a, g)}
+
+
+def together_rows(decode: Decode, gemms: PrefillGemms, carveouts: list[int],
+                  launch: tuple[int, int, int], backend: str) -> dict:
+    torch.backends.cuda.preferred_blas_library(backend)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    # the engine's attention launch beside an un-carved GEMM chain: session 5's baseline
+    rows = {"engine_c0": pair_row(capture_graph(decode.engine(8)), carved_graph(gemms.run, 0),
+                                  streams)}
+    for c in carveouts:
+        g_gemm = carved_graph(gemms.run, c)
+        for programs in (c, 2 * c):
+            rows[f"c{c}_g{programs}"] = pair_row(
+                capture_graph(decode.persistent(programs, *launch)), g_gemm, streams)
+    for name, r in rows.items():
+        print(f"  together {backend} {name}: attention {r['attention_ms']:.2f} + gemm "
+              f"{r['gemm_ms']:.2f}; together {r['together_ms']:.2f} (hidden {r['hidden']:.2f})",
+              flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--carveouts", type=int, nargs="+", default=[0, 33, 50, 66, 88])
+    parser.add_argument("--launch", type=int, nargs=3, default=[64, 4, 3],
+                        metavar=("TILE_N", "WARPS", "STAGES"),
+                        help="the persistent attention's launch shape in 'together'")
+    parser.add_argument("--skip-attention-sweep", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t0 = time.perf_counter()
+    decode = Decode()
+    report: dict = {"sms": sms, "kv_bytes": decode.kv_bytes}
+    print(f"{sms} SMs; caches ready after {time.perf_counter() - t0:.1f} s", flush=True)
+    def save() -> None:
+        (args.out / "partition_probe.json").write_text(json.dumps(report, indent=1))
+    if not args.skip_attention_sweep:
+        report["attention"] = attention_rows(decode, sms)
+        save()
+    for rows in args.rows:
+        gemms = PrefillGemms(rows)
+        report[f"gemm_p{rows}"] = gemm_rows(gemms, sms, args.carveouts)
+        save()
+        for backend in ("cublas", "cublaslt"):
+            report[f"together_p{rows}_{backend}"] = together_rows(
+                decode, gemms, [c for c in args.carveouts if c], tuple(args.launch), backend)
+            save()
+        del gemms
+    print(f"done after {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
