@@ -91,7 +91,8 @@ class Variant:
 def decode_variants() -> list[Variant]:
     out = [Variant(0, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
     launches = [KeyLoopLaunch(t, w, s) for t, w, s in
-                ((64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 4, 4), (128, 8, 3))]
+                ((64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 4, 4), (128, 8, 3),
+                 (64, 4, 5), (128, 4, 5))]  # 5 stages: the first depth with 2 K/V buffers
     out += [Variant(n, launch) for n, launch in itertools.product((1, 2, 4), launches)]
     return out
 

@@ -4,7 +4,7 @@
 
 Session 5 measured that two streams do not overlap our kernels: each one fills every SM. Here the
 card is split instead: the attention runs as a *persistent* kernel of G programs (each loops over
-(request, kv head) items, so it holds at most G SMs), and cuBLAS is told to target N - c SMs
+(request, kv head) items, so it holds at most G SMs; the kernel of ``decode_depth_probe.py``), and cuBLAS is told to target N - c SMs
 (``torch._C._set_sm_carveout_experimental(c)``, N the card's SM count). Llama-3-8B shape, bf16,
 32 layers:
   attention: the decode batch's attention (256 requests, context 1500: 50 GB of KV per pass),
@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
+from decode_depth_probe import launch
 from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, capture_graph, median_ms
 from overlap_probe import (
     BLOCK,
@@ -45,67 +44,17 @@ from overlap_probe import (
     layer_weights,
 )
 
-from pagedserve.kernels.attention_common import LOG2_E, attend_kv_range
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
 REPS = 15
 
 
-@triton.jit
-def _persistent_decode_kernel(
-    out_ptr,  # [num_reqs, HEADS, HEAD_DIM]
-    q_ptr,  # [num_reqs, HEADS, HEAD_DIM]
-    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
-    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM]
-    block_table_ptr,  # int32 [num_reqs, max_blocks]
-    seq_lens_ptr,  # int32 [num_reqs]
-    num_items,  # num_reqs * KV_HEADS
-    qk_scale,
-    stride_kc_block,
-    stride_kc_off,
-    stride_kc_head,
-    stride_bt,
-    KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Program p handles items p, p + G, p + 2G, ... (item = request * KV_HEADS + kv head): the
-    one decode row of each q head of the group against all the request's keys."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_mask = offs_m < GROUP
-    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        req = item // KV_HEADS
-        kv_head = item % KV_HEADS
-        seq_len = tl.load(seq_lens_ptr + req)
-        head = kv_head * GROUP + offs_m
-        off = (req.to(tl.int64) * GROUP * KV_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
-        q = tl.load(q_ptr + off, mask=row_mask[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-        acc, m_i, l_i = attend_kv_range(
-            acc, m_i, l_i, q, q_pos, seq_len - 1,
-            key_cache_ptr, value_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt,
-            kv_head, 0, seq_len, qk_scale,
-            stride_kc_block, stride_kc_off, stride_kc_head,
-            stride_kc_block, stride_kc_off, stride_kc_head,
-            HEAD_DIM, HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
-        tl.store(out_ptr + off, acc / l_i[:, None], mask=row_mask[:, None])
-
-
 class Decode:
     """The decode batch's 32 layers of KV cache and its per-layer query and output."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefetch_ids: bool) -> None:
         dev, dt = "cuda", torch.bfloat16
+        self.prefetch_ids = prefetch_ids  # the persistent kernel's key loop (decode_depth_probe)
         blocks_per_req = DECODE_CONTEXT // BLOCK + 1
         num_blocks = DECODE_BATCH * blocks_per_req + 1
         self.caches = [torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,
@@ -120,18 +69,12 @@ class Decode:
         self.kv_bytes = LAYERS * DECODE_BATCH * DECODE_CONTEXT * KV_HEADS * HEAD_DIM * 2 * 2
 
     def persistent(self, programs: int, tile_n: int, warps: int, stages: int):
+        """decode_depth_probe's persistent kernel over the 32 layers (session 6 measured the
+        engine's key loop in its place, equivalent to ``prefetch_ids`` off)."""
         def run() -> None:
             for cache in self.caches:
-                k = cache[0]
-                _persistent_decode_kernel[(programs,)](
-                    self.out, self.q, k, cache[1], self.block_table, self.seq_lens,
-                    DECODE_BATCH * KV_HEADS, HEAD_DIM**-0.5 * LOG2_E,
-                    k.stride(0), k.stride(1), k.stride(2), self.block_table.stride(0),
-                    KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
-                    BLOCK_SIZE=BLOCK, BLOCK_M=16, TILE_N=tile_n,
-                    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
-                    num_warps=warps, num_stages=stages,
-                )  # fmt: skip
+                launch(self.out, self.q, cache, self.block_table, self.seq_lens, programs,
+                       tile_n, warps, stages, self.prefetch_ids)
         return run
 
     def engine(self, splits: int):
@@ -246,12 +189,14 @@ def main() -> None:
                         metavar=("TILE_N", "WARPS", "STAGES"),
                         help="the persistent attention's launch shape in 'together'")
     parser.add_argument("--skip-attention-sweep", action="store_true")
+    parser.add_argument("--prefetch-ids", action="store_true",
+                        help="the persistent attention loads the next tile's block ids ahead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     t0 = time.perf_counter()
-    decode = Decode()
+    decode = Decode(args.prefetch_ids)
     report: dict = {"sms": sms, "kv_bytes": decode.kv_bytes}
     print(f"{sms} SMs; caches ready after {time.perf_counter() - t0:.1f} s", flush=True)
     def save() -> None:
