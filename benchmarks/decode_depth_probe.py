@@ -13,7 +13,8 @@ iteration waits for its own tile; only 5 stages double-buffer them.
 This probe times a persistent decode kernel (G programs looping over (request, kv head) items,
 as in partition_probe.py) whose key loop loads the *next* tile's block ids one iteration ahead
 (a loop-carried value, so the K/V loads no longer wait on a load of the same iteration), at
-several pipeline depths, against the same loop without the prefetch, for G = 1/3 .. 2 programs
+several pipeline depths, against the same loop without the prefetch, and with the 4 query heads
+padded to 64 rows instead of 16 (Hopper's wgmma path, which double-buffers K/V either way), for G = 1/3 .. 2 programs
 per SM on the batch-256, context-1500 decode (32 layers, 50.3 GB of KV). ``--ir`` prints each
 variant's shared memory and K/V buffer depth from the sm_90 compile (no GPU needed: Triton
 ships ptxas). Writes ``decode_depth_probe.json``.
@@ -33,8 +34,10 @@ import triton.language as tl
 BATCH, CONTEXT, LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 256, 1500, 32, 32, 8, 128, 16
 LOG2_E = 1.4426950408889634
 REPS = 15
-# (tile_n, num_warps, num_stages) of the variants
-LAUNCHES = [(128, 4, 2), (128, 4, 3), (128, 4, 5), (64, 4, 3), (64, 4, 4), (64, 4, 5), (32, 4, 5)]
+# (tile_n, num_warps, num_stages, block_m) of the variants; 64 query rows (4 heads padded)
+# take Hopper's wgmma path, whose pipelining double-buffers K/V even without the prefetch
+LAUNCHES = [(128, 4, 2, 16), (128, 4, 3, 16), (64, 4, 3, 16), (64, 4, 4, 16), (64, 4, 5, 16),
+            (64, 4, 2, 64), (64, 4, 3, 64), (128, 4, 3, 64)]
 
 
 @triton.jit
@@ -56,8 +59,8 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,  # load the next tile's block ids one iteration ahead
+    BLOCK_M: tl.constexpr,  # q heads of one kv head, padded: 16 for tl.dot, 64 for wgmma
 ):
-    BLOCK_M: tl.constexpr = 16  # q heads of one kv head, padded for tl.dot
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, TILE_N)
@@ -99,14 +102,15 @@ def _decode_kernel(
 
 
 def launch(out, q, cache, block_table, seq_lens, programs: int, tile_n: int, warps: int,
-           stages: int, prefetch: bool) -> None:
+           stages: int, prefetch: bool, block_m: int = 16) -> None:
     k, v = cache[0], cache[1]
     num_items = q.shape[0] * KV_HEADS
     _decode_kernel[(min(programs, num_items),)](
         out, q, k, v, block_table, seq_lens, num_items, HEAD_DIM**-0.5 * LOG2_E,
         k.stride(0), k.stride(1), block_table.stride(0),
         KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK,
-        TILE_N=tile_n, PREFETCH_IDS=prefetch, num_warps=warps, num_stages=stages,
+        TILE_N=tile_n, PREFETCH_IDS=prefetch, BLOCK_M=block_m, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
 
 
@@ -117,9 +121,11 @@ def print_ir_depths() -> None:
 
     fn = _decode_kernel
     names = [p.name for p in fn.params]
-    for (tile_n, warps, stages), prefetch in [(x, p) for x in LAUNCHES for p in (False, True)]:
+    for (tile_n, warps, stages, block_m), prefetch in [(x, p) for x in LAUNCHES
+                                                       for p in (False, True)]:
         constexprs = dict(KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
-                          BLOCK_SIZE=BLOCK, TILE_N=tile_n, PREFETCH_IDS=prefetch)
+                          BLOCK_SIZE=BLOCK, TILE_N=tile_n, PREFETCH_IDS=prefetch,
+                          BLOCK_M=block_m)
         sig = {n: "constexpr" if n in constexprs else "*bf16" if n.endswith("_ptr") else "i32"
                for n in names}
         sig.update(block_table_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
@@ -130,8 +136,8 @@ def print_ir_depths() -> None:
                                 options=dict(num_warps=warps, num_stages=stages))
         ir = kernel.asm["ttgir"]
         depths = sorted(set(re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x(\d+)x(\d+)x", ir)))
-        print(f"t{tile_n} w{warps} s{stages} prefetch={prefetch}: shared {kernel.metadata.shared} B, "
-              f"buffers (depth x rows x cols) {depths}", flush=True)
+        print(f"t{tile_n} w{warps} s{stages} m{block_m} prefetch={prefetch}: shared "
+              f"{kernel.metadata.shared} B, buffers (depth x rows x cols) {depths}", flush=True)
 
 
 def time_variants(out_dir: Path) -> None:
@@ -162,27 +168,29 @@ def time_variants(out_dir: Path) -> None:
     report = {"sms": sms, "kv_bytes": kv_bytes,
               "engine_split_kv_ms": median_ms(capture_graph(engine).replay, REPS), "variants": []}
     print(f"engine split-KV kernel: {report['engine_split_kv_ms']:.2f} ms", flush=True)
-    for (tile_n, warps, stages), prefetch in [(x, p) for x in LAUNCHES for p in (False, True)]:
+    for variant, prefetch in [(x, p) for x in LAUNCHES for p in (False, True)]:
+        tile_n, warps, stages, block_m = variant
         for per_sm in (1 / 3, 2 / 3, 1, 2):
             programs = max(1, round(sms * per_sm))
-            def run(programs=programs, t=tile_n, w=warps, s=stages, p=prefetch) -> None:
+            def run(programs=programs, v=variant, p=prefetch) -> None:
                 for cache in caches:
-                    launch(out, q, cache, table, seq_lens, programs, t, w, s, p)
+                    launch(out, q, cache, table, seq_lens, programs, *v[:3], p, v[3])
             try:
                 launch(out, q, caches[0], table, seq_lens, programs, tile_n, warps, stages,
-                       prefetch)
+                       prefetch, block_m)
                 err = (out.float() - ref.float()).abs().max().item()
                 ms = median_ms(capture_graph(run).replay, REPS)
             except Exception as e:  # noqa: BLE001 - a shape that does not fit shared memory
-                print(f"  t{tile_n} w{warps} s{stages} prefetch={prefetch}: {e}"[:200], flush=True)
+                print(f"  {variant} prefetch={prefetch}: {e}"[:200], flush=True)
                 break
             gbps_per_sm = kv_bytes / (ms * 1e-3) / min(programs, sms) / 1e9
-            row = {"tile_n": tile_n, "warps": warps, "stages": stages, "prefetch": prefetch,
-                   "programs": programs, "ms": ms, "max_err": err,
+            row = {"tile_n": tile_n, "warps": warps, "stages": stages, "block_m": block_m,
+                   "prefetch": prefetch, "programs": programs, "ms": ms, "max_err": err,
                    "of_copy_bw": kv_bytes / (ms * 1e-3) / COPY_BANDWIDTH,
                    "gb_s_per_busy_sm": gbps_per_sm}
             report["variants"].append(row)
-            print(f"  t{tile_n} w{warps} s{stages} prefetch={prefetch} G={programs}: {ms:.2f} ms "
+            print(f"  t{tile_n} w{warps} s{stages} m{block_m} prefetch={prefetch} G={programs}: "
+                  f"{ms:.2f} ms "
                   f"({row['of_copy_bw']:.2f} of copy bw, {gbps_per_sm:.0f} GB/s per busy SM, "
                   f"err {err:.2g})", flush=True)
         (out_dir / "decode_depth_probe.json").write_text(json.dumps(report, indent=1))
