@@ -19,16 +19,36 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _attend_tile(
+def _tile_blocks(
+    block_table_row_ptr,  # int32 [max_num_blocks_per_req]
+    tile_start,
+    kv_end,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile exists
+):
+    """int64 [TILE_N]: the cache block of each key ``tile_start + i`` (0 past ``kv_end``)."""
+    key_pos = tile_start + tl.arange(0, TILE_N)
+    if MASKED:
+        block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_pos < kv_end, other=0)
+    else:
+        block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE)
+    return block.to(tl.int64)
+
+
+@triton.jit
+def _attend_tiles(
     acc,  # fp32 [BLOCK_M, HEAD_DIM_PAD]: running unnormalized output
     m_i,  # fp32 [BLOCK_M]: running row maximum (log2 domain)
     l_i,  # fp32 [BLOCK_M]: running row sum of exp2(score - m_i)
+    block,  # int64 [TILE_N]: block ids of the tile at loop_start (used with PREFETCH_IDS)
     q,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE
     q_pos,  # int32 [BLOCK_M]
     kc_head_ptr,  # key cache at this kv head: [num_blocks, block_size, ., head_dim]
     vc_head_ptr,  # value cache at this kv head
     block_table_row_ptr,  # int32 [max_num_blocks_per_req]
-    tile_start,
+    loop_start,
+    loop_end,
     kv_end,
     qk_scale,
     stride_kc_block,
@@ -41,41 +61,51 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key of the tile exists and every row sees it
+    MASKED: tl.constexpr,  # False: every key of every tile exists and every row sees it
+    PREFETCH_IDS: tl.constexpr,
 ):
-    """One online-softmax step over keys ``[tile_start, tile_start + TILE_N)``."""
-    offs_n = tl.arange(0, TILE_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    key_pos = tile_start + offs_n
-    key_mask = key_pos < kv_end
-    if MASKED:
-        block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_mask, other=0)
-    else:
-        block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE)
-    block = block.to(tl.int64)
-    k_row = block * stride_kc_block + (key_pos % BLOCK_SIZE) * stride_kc_off
-    v_row = block * stride_vc_block + (key_pos % BLOCK_SIZE) * stride_vc_off
-    if MASKED:
-        k_mask = d_mask[:, None] & key_mask[None, :]
-        v_mask = key_mask[:, None] & d_mask[None, :]
-    else:
-        k_mask = d_mask[:, None]
-        v_mask = d_mask[None, :]
-    # K^T tile [HEAD_DIM_PAD, TILE_N] and V tile [TILE_N, HEAD_DIM_PAD]
-    k = tl.load(kc_head_ptr + k_row[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
-    s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(key_mask[None, :] & (key_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(vc_head_ptr + v_row[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-    # p is rounded to the cache dtype, as the GPU multiplies it (a no-op cast there).
-    p = p.to(v.dtype).to(DOT_DTYPE)
-    acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    """Online-softmax steps over the key tiles ``[t, t + TILE_N)`` for ``t`` from
+    ``loop_start`` below ``loop_end``; returns (acc, m_i, l_i) and the block ids of the tile
+    after the last (with PREFETCH_IDS; else ``block`` unchanged)."""
+    for tile_start in range(loop_start, loop_end, TILE_N):
+        if PREFETCH_IDS:
+            tile_block = block
+            block = _tile_blocks(
+                block_table_row_ptr, tile_start + TILE_N, kv_end, BLOCK_SIZE, TILE_N, True
+            )
+        else:
+            tile_block = _tile_blocks(
+                block_table_row_ptr, tile_start, kv_end, BLOCK_SIZE, TILE_N, MASKED
+            )
+        offs_n = tl.arange(0, TILE_N)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_mask = offs_d < HEAD_DIM
+        key_pos = tile_start + offs_n
+        key_mask = key_pos < kv_end
+        k_row = tile_block * stride_kc_block + (key_pos % BLOCK_SIZE) * stride_kc_off
+        v_row = tile_block * stride_vc_block + (key_pos % BLOCK_SIZE) * stride_vc_off
+        if MASKED:
+            k_mask = d_mask[:, None] & key_mask[None, :]
+            v_mask = key_mask[:, None] & d_mask[None, :]
+        else:
+            k_mask = d_mask[:, None]
+            v_mask = d_mask[None, :]
+        # K^T tile [HEAD_DIM_PAD, TILE_N] and V tile [TILE_N, HEAD_DIM_PAD]
+        k = tl.load(kc_head_ptr + k_row[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            seen = key_mask[None, :] & (key_pos[None, :] <= q_pos[:, None])
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_head_ptr + v_row[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+        # p is rounded to the cache dtype, as the GPU multiplies it (a no-op cast there).
+        p = p.to(v.dtype).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i, block
 
 
 @triton.jit
@@ -105,6 +135,7 @@ def attend_kv_range(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH_IDS: tl.constexpr,  # load the next tile's block ids one iteration ahead
 ):
     """Fold keys ``[kv_start, kv_end)`` of one request and one kv head into (acc, m_i, l_i).
 
@@ -112,24 +143,28 @@ def attend_kv_range(
     without masks; the rest (the causal diagonal and the ragged end) are masked. Each key
     position is looked up in the block table on its own, so TILE_N and the cache's block size
     are independent. The first tile holds a key every row sees, so m_i is finite after it.
+
+    With ``PREFETCH_IDS`` each iteration loads the block ids of the next tile (a loop-carried
+    value): the K/V loads then wait on no load of their own iteration, and Triton's pipeliner
+    gives them ``num_stages - 1`` buffers instead of one (sm_90 compile, BENCHMARKS.md session 6).
     """
     kc_head_ptr = key_cache_ptr + kv_head * stride_kc_head
     vc_head_ptr = value_cache_ptr + kv_head * stride_vc_head
     full_end = kv_start + (tl.minimum(kv_end, min_q_pos + 1) - kv_start) // TILE_N * TILE_N
-    for tile_start in range(kv_start, full_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
-            tile_start, kv_end, qk_scale,
-            stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, False,
-        )  # fmt: skip
-    for tile_start in range(full_end, kv_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
-            tile_start, kv_end, qk_scale,
-            stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, True,
-        )  # fmt: skip
+    # The first tile's ids (read only with PREFETCH_IDS; otherwise the load is dead code).
+    block = _tile_blocks(block_table_row_ptr, kv_start, kv_end, BLOCK_SIZE, TILE_N, True)
+    acc, m_i, l_i, block = _attend_tiles(
+        acc, m_i, l_i, block, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+        kv_start, full_end, kv_end, qk_scale,
+        stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, False, PREFETCH_IDS,
+    )  # fmt: skip
+    acc, m_i, l_i, block = _attend_tiles(
+        acc, m_i, l_i, block, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+        full_end, kv_end, kv_end, qk_scale,
+        stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, True, PREFETCH_IDS,
+    )  # fmt: skip
     return acc, m_i, l_i
 
 
