@@ -83,6 +83,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def divergence_margins(a: dict, b: dict, step: int) -> dict[str, float | bool]:
+    """Where ``a`` and ``b`` chose different tokens at ``step``: on each side, how much more
+    likely (log-probability, nats) its own token was than the other side's token. When the
+    other token is not in a side's top-k, its margin is a lower bound (the top-1 minus the k-th
+    log-probability) and ``<side>_bound`` is True. ``a`` / ``b`` as for ``logprobs_close``, with
+    "lp": [[log-probabilities in the order of "top"], ...]."""
+    out: dict[str, float | bool] = {}
+    for name, side, other in (("a", a, b), ("b", b, a)):
+        lps = dict(zip(side["top"][step], side["lp"][step], strict=True))
+        own, theirs = lps[side["tokens"][step]], lps.get(other["tokens"][step])
+        out[name] = round(own - (min(lps.values()) if theirs is None else theirs), 4)
+        out[f"{name}_bound"] = theirs is None
+    return out
+
+
 def logprobs_close(a: dict, b: dict) -> tuple[bool, int]:
     """vLLM's check_logprobs_close on one prompt: equal tokens up to the first divergence,
     where each side's token must be in the other's top-k. Returns (ok, first divergence or
@@ -125,7 +140,9 @@ def _greedy(llm: Any, prompts: list[list[int]], num_tokens: int) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [{"tokens": list(o.outputs[0].token_ids),
-             "top": [list(step) for step in o.outputs[0].logprobs]} for o in outputs]
+             "top": [list(step) for step in o.outputs[0].logprobs],
+             "lp": [[lp.logprob for lp in step.values()] for step in o.outputs[0].logprobs]}
+            for o in outputs]
 
 
 def _graph_report(runner: Any) -> dict[str, Any]:
@@ -303,6 +320,11 @@ def _checks(report: dict, args: argparse.Namespace) -> dict[str, Any]:
         checks["greedy_equal"] = [a["tokens"] == b["tokens"] for a, b in pairs]
         checks["logprobs_close"] = all(ok for ok, _ in close)
         checks["first_divergence"] = [i for _, i in close]
+        # how near the tie was at each divergence (graphs side "a", eager side "b")
+        checks["divergence_margins_nats"] = [
+            divergence_margins(a, b, i) if i >= 0 else None
+            for (a, b), (_, i) in zip(pairs, close, strict=True)
+        ]
     print("[checks] " + json.dumps(checks), flush=True)
     return checks
 

@@ -69,3 +69,14 @@ def test_memory_verdicts(check: ModuleType) -> None:
     assert verdict["margin_at_largest_step_gib"] == -0.25
     assert verdict["card_wide_margin_at_largest_step_gib"] == -1.0
     assert verdict["graph_estimate_minus_actual_mib"] == 2.0
+
+
+def test_divergence_margins(check: ModuleType) -> None:
+    a = {"tokens": [1, 2], "top": [[1, 9], [2, 5, 8]], "lp": [[-0.5, -1.0], [-1.0, -1.02, -3.0]]}
+    b = {"tokens": [1, 5], "top": [[1, 9], [5, 2, 4]], "lp": [[-0.5, -1.0], [-0.9, -0.95, -2.5]]}
+    assert check.divergence_margins(a, b, 1) == {"a": 0.02, "a_bound": False,
+                                                 "b": 0.05, "b_bound": False}
+    c = {"tokens": [1, 7], "top": [[1, 9], [7, 4, 6]], "lp": [[-0.5, -1.0], [-0.2, -0.6, -0.7]]}
+    # neither top-3 holds the other's token: each margin is a lower bound (top-1 minus 3rd)
+    assert check.divergence_margins(a, c, 1) == {"a": 2.0, "a_bound": True,
+                                                 "b": 0.5, "b_bound": True}
