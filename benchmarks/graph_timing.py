@@ -26,6 +26,17 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def carved_graph(fn: Callable[[], object], carveout: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` captured with cuBLAS targeting (SMs - carveout) SMs
+    (``torch._C._set_sm_carveout_experimental``; honoured on the cuBLASLt path:
+    ``torch.backends.cuda.preferred_blas_library("cublaslt")``)."""
+    torch._C._set_sm_carveout_experimental(carveout or None)
+    try:
+        return capture_graph(fn)
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+
+
 def median_ms(launch: Callable[[], object], reps: int = 20) -> float:
     """Median ms between events recorded around ``launch()`` on the current stream (after one
     untimed call)."""

@@ -14,7 +14,9 @@ other on one stream, "joint" (one GEMM over the 256 + P rows per layer, the two 
 turn: what a mixed step runs today), and at once on two streams (fork/join around the two
 replays; with each stream's priority as given). With ``--green N ...`` instead: P confined to a
 CUDA green context of N SMs (graph replayed there, and launched eagerly there) beside D on the
-whole card. Writes ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, session 5.
+whole card. With ``--partition C:G ...`` also: P's GEMMs on cuBLASLt told to leave C SMs free
+and D's attention by a persistent kernel of G programs (decode_depth_probe.py), at once on two
+streams: the engine step an SM partition would run, against "joint". Writes ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, session 5.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from graph_timing import capture_graph, median_ms
+from decode_depth_probe import launch as persistent_decode
+from graph_timing import capture_graph, carved_graph, median_ms
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 
@@ -84,10 +87,28 @@ class Stack:
         return F.linear(F.silu(gate_up[:, :FFN]) * gate_up[:, FFN:], self.layers[layer][3])
 
     def branch(self, x: torch.Tensor, meta: dict) -> Callable[[], torch.Tensor]:
+        return self.chain(x, lambda qkv, layer: self.attention(qkv, layer, meta))
+
+    def persistent_branch(self, x: torch.Tensor, programs: int,
+                          launch_shape: tuple[int, int, int], prefetch_ids: bool):
+        """The decode batch with its attention by ``decode_depth_probe``'s persistent kernel of
+        ``programs`` programs (so it holds at most that many SMs)."""
+        meta = self.decode_meta
+
+        def attend(qkv: torch.Tensor, layer: int) -> torch.Tensor:
+            m = qkv.shape[0]
+            q = qkv[:, : HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM).contiguous()
+            out = torch.empty_like(q)  # [m, HEADS, HEAD_DIM]
+            persistent_decode(out, q, self.caches[layer], meta["block_table"], meta["seq_lens"],
+                              programs, *launch_shape, prefetch_ids)
+            return out.view(m, HEADS * HEAD_DIM)
+        return self.chain(x, attend)
+
+    def chain(self, x: torch.Tensor, attend: Callable[[torch.Tensor, int], torch.Tensor]):
         def run() -> torch.Tensor:
             h = x
             for layer, (w_qkv, w_o, _, _) in enumerate(self.layers):
-                h = h + F.linear(self.attention(F.linear(h, w_qkv), layer, meta), w_o)
+                h = h + F.linear(attend(F.linear(h, w_qkv), layer), w_o)
                 h = h + self.mlp(h, layer)
             return h
         return run
@@ -149,6 +170,31 @@ def green_rows(stack: Stack, g_decode, tokens: int, splits: list[int]) -> dict:
     return rows
 
 
+def partition_rows(stack: Stack, x_decode: torch.Tensor, tokens: int, pairs: list[str],
+                   launch_shape: tuple[int, int, int], prefetch_ids: bool) -> dict:
+    """For each "C:G": the prefill chunk's GEMMs on cuBLASLt told to leave C SMs (carveout),
+    the decode batch's attention by a persistent kernel of G programs; each alone, then both
+    at once on two streams."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    meta = stack.prefill_meta(tokens)
+    x_p = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
+    rows = {}
+    for pair in pairs:
+        carveout, programs = (int(v) for v in pair.split(":"))
+        g_p = carved_graph(stack.branch(x_p, meta), carveout)
+        g_d = capture_graph(stack.persistent_branch(x_decode, programs, launch_shape,
+                                                    prefetch_ids))
+        row = {"decode_ms": median_ms(g_d.replay, REPS), "prefill_ms": median_ms(g_p.replay, REPS),
+               "together_ms": median_ms(concurrently([g_d, g_p], streams), REPS)}
+        rows[pair] = row
+        print(f"  P={tokens} carveout {carveout}, {programs} attention programs: decode "
+              f"{row['decode_ms']:.2f} + prefill {row['prefill_ms']:.2f}; together "
+              f"{row['together_ms']:.2f}", flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
 def fork_join(parts: list[tuple[torch.cuda.Stream, Callable[[], object]]]) -> None:
     """Each part on its stream, all after the current stream's work; the current stream
     then waits for all of them."""
@@ -170,6 +216,13 @@ def main() -> None:
                              "small one (e.g. 32 4 1) may share an SM with a GEMM tile")
     parser.add_argument("--green", type=int, nargs="*", default=[],
                         help="SM counts for the prefill chunk's green context (skips the rest)")
+    parser.add_argument("--partition", nargs="*", default=[], metavar="C:G",
+                        help="also: prefill GEMMs leaving C SMs (cuBLASLt carveout) beside a "
+                             "persistent decode attention of G programs")
+    parser.add_argument("--partition-launch", type=int, nargs=3, default=[64, 4, 3],
+                        metavar=("TILE_N", "WARPS", "STAGES"))
+    parser.add_argument("--prefetch-ids", action="store_true",
+                        help="the persistent attention loads the next tile's block ids ahead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -203,8 +256,11 @@ def main() -> None:
             "two_streams_decode_high_ms": median_ms(concurrently([g_decode, g_p], d_high), REPS),
             "two_streams_prefill_high_ms": median_ms(concurrently([g_decode, g_p], p_high), REPS),
         }
-        report["prefill"][tokens] = row
         print(f"P={tokens}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+        if args.partition:
+            row["partition"] = partition_rows(stack, x_decode, tokens, args.partition,
+                                              tuple(args.partition_launch), args.prefetch_ids)
+        report["prefill"][tokens] = row
         (args.out / "overlap_probe.json").write_text(json.dumps(report, indent=1))
 
 

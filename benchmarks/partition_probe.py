@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from decode_depth_probe import launch
-from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, capture_graph, median_ms
+from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, capture_graph, carved_graph, median_ms
 from overlap_probe import (
     BLOCK,
     DECODE_BATCH,
@@ -103,15 +103,6 @@ class PrefillGemms:
             for weight, out in zip(layer, self.outs, strict=True):
                 x = self.ffn_in if weight.shape[1] == FFN else self.x
                 torch.matmul(x, weight.t(), out=out)
-
-
-def carved_graph(fn, carveout: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn`` captured with cuBLAS targeting (SMs - carveout) SMs."""
-    torch._C._set_sm_carveout_experimental(carveout or None)
-    try:
-        return capture_graph(fn)
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
 
 
 def attention_rows(decode: Decode, sms: int) -> dict:
