@@ -145,8 +145,9 @@ def attend_kv_range(
     are independent. The first tile holds a key every row sees, so m_i is finite after it.
 
     With ``PREFETCH_IDS`` each iteration loads the block ids of the next tile (a loop-carried
-    value): the K/V loads then wait on no load of their own iteration, and Triton's pipeliner
-    gives them ``num_stages - 1`` buffers instead of one (sm_90 compile, BENCHMARKS.md session 6).
+    value): the K/V loads then wait on no load of their own iteration, and on the 16-row decode
+    tiles Triton's pipeliner gives them ``num_stages - 1`` buffers instead of one (sm_90
+    compile; 64-row tiles, on wgmma, get two either way: BENCHMARKS.md, session 6).
     """
     kc_head_ptr = key_cache_ptr + kv_head * stride_kc_head
     vc_head_ptr = value_cache_ptr + kv_head * stride_vc_head
