@@ -46,7 +46,9 @@ def test_chat_streams_an_answer_with_its_counts(page: Page, open_server: ServerP
     # The prompt count is the server's: the chat template over the system prompt and message.
     rendered = httpx.post(f"{open_server.url}/tokenize",
                           json={"messages": sent.value.post_data_json["messages"]}).json()
-    assert re.fullmatch(r"24 tokens · [\d.]+ tok/s · first token [\d.]+ s · [\d.]+ s total · "
+    # No tok/s when every token arrived with the first chunk (a busy CI machine): there is no
+    # decode interval to divide by. test_page_modules checks the figure itself.
+    assert re.fullmatch(r"24 tokens (· [\d.]+ tok/s )?· first token [\d.]+ s · [\d.]+ s total · "
                         rf"prompt {rendered['count']} tokens · finish: length", meta), meta
     assert sent.value.post_data_json["messages"][0] == {"role": "system", "content": "You are terse."}
 
