@@ -15,8 +15,9 @@ turn: what a mixed step runs today), and at once on two streams (fork/join aroun
 replays; with each stream's priority as given). With ``--green N ...`` instead: P confined to a
 CUDA green context of N SMs (graph replayed there, and launched eagerly there) beside D on the
 whole card. With ``--partition C:G ...`` also: P's GEMMs on cuBLASLt told to leave C SMs free
-and D's attention by a persistent kernel of G programs (decode_depth_probe.py), at once on two
-streams: the engine step an SM partition would run, against "joint". Writes ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, session 5.
+and D's attention by a persistent kernel of G programs (decode_batch.py), at once on two
+streams: the engine step an SM partition would run, against "joint". Writes
+``overlap_probe.json``; results and what they mean: BENCHMARKS.md, sessions 5 and 6.
 """
 
 from __future__ import annotations
@@ -29,14 +30,23 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from decode_depth_probe import launch as persistent_decode
+from decode_batch import (
+    BLOCK,
+    DECODE_BATCH,
+    DECODE_CONTEXT,
+    FFN,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    QKV,
+    DecodeBatch,
+)
+from decode_batch import launch as persistent_decode
 from graph_timing import capture_graph, carved_graph, median_ms
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 
-LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, BLOCK = 32, 4096, 32, 8, 128, 14336, 16
-QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-DECODE_BATCH, DECODE_CONTEXT = 256, 1500
 REPS = 15  # graph replays per timing (median)
 
 
@@ -52,18 +62,13 @@ class Stack:
     """Weights and KV caches of the 32 layers, and the per-branch attention inputs."""
 
     def __init__(self, decode_launch: KeyLoopLaunch) -> None:
-        dev, dt = "cuda", torch.bfloat16
         self.layers = layer_weights()
-        blocks_per_req = DECODE_CONTEXT // BLOCK + 1
-        self.num_blocks = DECODE_BATCH * blocks_per_req + 1
-        self.caches = [torch.empty(2, self.num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,
-                                   device=dev).uniform_(-1, 1) for _ in range(LAYERS)]
-        perm = torch.randperm(self.num_blocks - 1, device=dev) + 1
+        self.decode = DecodeBatch()
+        self.caches = self.decode.caches  # the prefill chunk's keys go to blocks 1.. of them
         self.decode_meta = dict(
-            block_table=perm[: DECODE_BATCH * blocks_per_req].view(DECODE_BATCH, -1).int(),
-            query_start_loc=torch.arange(DECODE_BATCH + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32, device=dev),
-            num_reqs=DECODE_BATCH, max_query_len=1, launch=decode_launch)
+            block_table=self.decode.block_table, query_start_loc=self.decode.query_start_loc,
+            seq_lens=self.decode.seq_lens, num_reqs=DECODE_BATCH, max_query_len=1,
+            launch=decode_launch)
 
     def prefill_meta(self, tokens: int) -> dict:
         dev = "cuda"
@@ -91,15 +96,15 @@ class Stack:
 
     def persistent_branch(self, x: torch.Tensor, programs: int,
                           launch_shape: tuple[int, int, int], prefetch_ids: bool):
-        """The decode batch with its attention by ``decode_depth_probe``'s persistent kernel of
+        """The decode batch with its attention by ``decode_batch.launch``'s persistent kernel of
         ``programs`` programs (so it holds at most that many SMs)."""
-        meta = self.decode_meta
+        decode = self.decode
 
         def attend(qkv: torch.Tensor, layer: int) -> torch.Tensor:
             m = qkv.shape[0]
             q = qkv[:, : HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM).contiguous()
             out = torch.empty_like(q)  # [m, HEADS, HEAD_DIM]
-            persistent_decode(out, q, self.caches[layer], meta["block_table"], meta["seq_lens"],
+            persistent_decode(out, q, self.caches[layer], decode.block_table, decode.seq_lens,
                               programs, *launch_shape, prefetch_ids)
             return out.view(m, HEADS * HEAD_DIM)
         return self.chain(x, attend)

@@ -4,9 +4,10 @@
 
 Session 5 measured that two streams do not overlap our kernels: each one fills every SM. Here the
 card is split instead: the attention runs as a *persistent* kernel of G programs (each loops over
-(request, kv head) items, so it holds at most G SMs; the kernel of ``decode_depth_probe.py``), and cuBLAS is told to target N - c SMs
-(``torch._C._set_sm_carveout_experimental(c)``, N the card's SM count). Llama-3-8B shape, bf16,
-32 layers:
+(request, kv head) items, so it holds at most G SMs: ``decode_batch.launch``; session 6's
+figures came from an equivalent loop on the engine's ``attend_kv_range``), and cuBLAS is told
+to target N - c SMs (``torch._C._set_sm_carveout_experimental(c)``, N the card's SM count).
+Llama-3-8B shape, bf16, 32 layers:
   attention: the decode batch's attention (256 requests, context 1500: 50 GB of KV per pass),
       persistent with G programs and several launch shapes, against the engine's split-KV
       launch; answers how many SMs a full-bandwidth read needs;
@@ -27,63 +28,18 @@ import time
 from pathlib import Path
 
 import torch
-from decode_depth_probe import launch
-from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, capture_graph, carved_graph, median_ms
-from overlap_probe import (
-    BLOCK,
-    DECODE_BATCH,
-    DECODE_CONTEXT,
-    FFN,
-    HEAD_DIM,
-    HEADS,
-    HIDDEN,
-    KV_HEADS,
-    LAYERS,
-    QKV,
-    fork_join,
-    layer_weights,
+from decode_batch import FFN, HIDDEN, LAYERS, QKV, DecodeBatch
+from graph_timing import (
+    COPY_BANDWIDTH,
+    MATMUL_PEAK,
+    capture_graph,
+    carved_graph,
+    graph_time_ms,
+    median_ms,
 )
-
-from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
+from overlap_probe import fork_join, layer_weights
 
 REPS = 15
-
-
-class Decode:
-    """The decode batch's 32 layers of KV cache and its per-layer query and output."""
-
-    def __init__(self, prefetch_ids: bool) -> None:
-        dev, dt = "cuda", torch.bfloat16
-        self.prefetch_ids = prefetch_ids  # the persistent kernel's key loop (decode_depth_probe)
-        blocks_per_req = DECODE_CONTEXT // BLOCK + 1
-        num_blocks = DECODE_BATCH * blocks_per_req + 1
-        self.caches = [torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,
-                                   device=dev).uniform_(-1, 1) for _ in range(LAYERS)]
-        perm = torch.randperm(num_blocks - 1, device=dev) + 1
-        self.block_table = perm[: DECODE_BATCH * blocks_per_req].view(DECODE_BATCH, -1).int()
-        self.seq_lens = torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32,
-                                   device=dev)
-        self.query_start_loc = torch.arange(DECODE_BATCH + 1, dtype=torch.int32, device=dev)
-        self.q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, dtype=dt, device=dev)
-        self.out = torch.empty_like(self.q)  # [DECODE_BATCH, HEADS, HEAD_DIM]
-        self.kv_bytes = LAYERS * DECODE_BATCH * DECODE_CONTEXT * KV_HEADS * HEAD_DIM * 2 * 2
-
-    def persistent(self, programs: int, tile_n: int, warps: int, stages: int):
-        """decode_depth_probe's persistent kernel over the 32 layers (session 6 measured the
-        engine's key loop in its place, equivalent to ``prefetch_ids`` off)."""
-        def run() -> None:
-            for cache in self.caches:
-                launch(self.out, self.q, cache, self.block_table, self.seq_lens, programs,
-                       tile_n, warps, stages, self.prefetch_ids)
-        return run
-
-    def engine(self, splits: int):
-        def run() -> None:
-            for cache in self.caches:
-                paged_attention_split_kv(self.q, cache, self.block_table, self.query_start_loc,
-                                         self.seq_lens, DECODE_BATCH, HEAD_DIM**-0.5,
-                                         self.out, splits)
-        return run
 
 
 class PrefillGemms:
@@ -105,22 +61,21 @@ class PrefillGemms:
                 torch.matmul(x, weight.t(), out=out)
 
 
-def attention_rows(decode: Decode, sms: int) -> dict:
+def attention_rows(decode: DecodeBatch, sms: int, prefetch: bool) -> dict:
     ref = decode.out.clone()
     decode.engine(8)()
     ref.copy_(decode.out)
     rows = {}
     for splits in (1, 4, 8):
-        graph = capture_graph(decode.engine(splits))
-        rows[f"engine_splits{splits}"] = median_ms(graph.replay, REPS)
+        rows[f"engine_splits{splits}"] = graph_time_ms(decode.engine(splits), REPS)
     shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4)]
     for tile_n, warps, stages in shapes:
         for frac in (0.25, 0.375, 0.5, 0.75, 1, 2):
             programs = max(1, int(sms * frac))
-            fn = decode.persistent(programs, tile_n, warps, stages)
+            fn = decode.persistent(programs, tile_n, warps, stages, prefetch)
             fn()
             err = (decode.out.float() - ref.float()).abs().max().item()
-            ms = median_ms(capture_graph(fn).replay, REPS)
+            ms = graph_time_ms(fn, REPS)
             rows[f"persist_t{tile_n}w{warps}s{stages}_g{programs}"] = ms
             print(f"  attention t{tile_n} w{warps} s{stages} G={programs}: {ms:.2f} ms "
                   f"({decode.kv_bytes / (ms * 1e-3) / COPY_BANDWIDTH:.2f} of copy bw, "
@@ -151,8 +106,8 @@ def pair_row(g_attn: torch.cuda.CUDAGraph, g_gemm: torch.cuda.CUDAGraph,
             "hidden": (a + g - both) / min(a, g)}
 
 
-def together_rows(decode: Decode, gemms: PrefillGemms, carveouts: list[int],
-                  launch: tuple[int, int, int], backend: str) -> dict:
+def together_rows(decode: DecodeBatch, gemms: PrefillGemms, carveouts: list[int],
+                  launch: tuple[int, int, int], prefetch: bool, backend: str) -> dict:
     torch.backends.cuda.preferred_blas_library(backend)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     # the engine's attention launch beside an un-carved GEMM chain: session 5's baseline
@@ -162,7 +117,7 @@ def together_rows(decode: Decode, gemms: PrefillGemms, carveouts: list[int],
         g_gemm = carved_graph(gemms.run, c)
         for programs in (c, 2 * c):
             rows[f"c{c}_g{programs}"] = pair_row(
-                capture_graph(decode.persistent(programs, *launch)), g_gemm, streams)
+                capture_graph(decode.persistent(programs, *launch, prefetch)), g_gemm, streams)
     for name, r in rows.items():
         print(f"  together {backend} {name}: attention {r['attention_ms']:.2f} + gemm "
               f"{r['gemm_ms']:.2f}; together {r['together_ms']:.2f} (hidden {r['hidden']:.2f})",
@@ -187,13 +142,13 @@ def main() -> None:
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     t0 = time.perf_counter()
-    decode = Decode(args.prefetch_ids)
+    decode = DecodeBatch()
     report: dict = {"sms": sms, "kv_bytes": decode.kv_bytes}
     print(f"{sms} SMs; caches ready after {time.perf_counter() - t0:.1f} s", flush=True)
     def save() -> None:
         (args.out / "partition_probe.json").write_text(json.dumps(report, indent=1))
     if not args.skip_attention_sweep:
-        report["attention"] = attention_rows(decode, sms)
+        report["attention"] = attention_rows(decode, sms, args.prefetch_ids)
         save()
     for rows in args.rows:
         gemms = PrefillGemms(rows)
@@ -201,7 +156,8 @@ def main() -> None:
         save()
         for backend in ("cublas", "cublaslt"):
             report[f"together_p{rows}_{backend}"] = together_rows(
-                decode, gemms, [c for c in args.carveouts if c], tuple(args.launch), backend)
+                decode, gemms, [c for c in args.carveouts if c], tuple(args.launch),
+                args.prefetch_ids, backend)
             save()
         del gemms
     print(f"done after {time.perf_counter() - t0:.1f} s", flush=True)
