@@ -7,7 +7,13 @@ import torch
 from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch
 
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
-from pagedserve.attention.backends.triton import TritonBackend, choose_num_splits
+from pagedserve.attention.backends.triton import (
+    FEW_PAIRS_LAUNCH,
+    SPLIT_KV_LAUNCH,
+    TritonBackend,
+    choose_num_splits,
+    decode_launch,
+)
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -84,22 +90,37 @@ def test_forward_rejects_bad_inputs() -> None:
         TritonBackend(target_programs=16, min_keys_per_split=0)
 
 
-def test_large_unsplit_decode_batch_runs_the_split_kv_kernel(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    "target_programs,min_keys_per_split",
+    [(4, 10_000), (64, 10_000)],  # one segment: pairs above the target programs, below it
+)  # fmt: skip
+def test_unsplit_decode_batch_runs_the_split_kv_kernel(
+    monkeypatch: pytest.MonkeyPatch, target_programs: int, min_keys_per_split: int
 ) -> None:
-    """More (request, kv head) pairs than target programs: one segment each, split-KV kernel."""
+    """A decode batch of one segment per (request, kv head) pair runs the split-KV kernel
+    too, whether its pairs fill the target programs or not."""
     def no_varlen(*args, **kwargs) -> None:
-        raise AssertionError("the varlen kernel ran a large decode batch")
+        raise AssertionError("the varlen kernel ran a decode batch")
 
     monkeypatch.setattr("pagedserve.attention.backends.triton.paged_attention", no_varlen)
-    backend = TritonBackend(target_programs=4, min_keys_per_split=10_000)
+    backend = TritonBackend(target_programs, min_keys_per_split)
     batch = make_paged_batch([1, 1, 1], [97, 20, 51], 4, 2, 64, 8, torch.float32)
     _check_against_oracles(backend, batch, 0.125)
 
 
 @pytest.mark.parametrize(
+    "num_splits,num_pairs,expected",
+    [(2, 8, SPLIT_KV_LAUNCH), (1, 2048, SPLIT_KV_LAUNCH), (1, 512, FEW_PAIRS_LAUNCH),
+     (1, 528, FEW_PAIRS_LAUNCH)],  # batch 256 / batch 64 / 66 of 8 kv heads on 132 SMs
+)  # fmt: skip
+def test_decode_launch(num_splits: int, num_pairs: int, expected) -> None:
+    assert decode_launch(num_splits, num_pairs, 528) is expected
+    assert FEW_PAIRS_LAUNCH.tile_n == 64 and SPLIT_KV_LAUNCH.tile_n == 128
+
+
+@pytest.mark.parametrize(
     "target_programs,min_keys_per_split",
-    [(64, 16), (4, 10_000), (64, 10_000)],  # split-KV: several segments, one; varlen kernel
+    [(64, 16), (4, 10_000), (64, 10_000)],  # segments: several; one (128- / 64-key tiles)
 )  # fmt: skip
 def test_padded_requests_of_a_full_graph_write_nothing(
     target_programs: int, min_keys_per_split: int

@@ -12,17 +12,20 @@ import torch
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.kernels.attention_common import check_attention_args
 from pagedserve.kernels.kv_write import write_kv
-from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
+from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 
 # Programs per streaming multiprocessor the split-KV path aims for (one program per request,
 # kv head and segment).
 _PROGRAMS_PER_SM = 4
 # Key loops, the fastest in benchmarks/attention_sweep.py and then in the engine on the H200
-# (BENCHMARKS.md, session 6): the split-KV kernel's for decode batches, the varlen kernel's
-# for batches with prefill rows. A decode batch of few (request, kv head) pairs that is not
-# split keeps the varlen kernel at its default shape (faster in the engine at batch 64).
+# (BENCHMARKS.md, sessions 6 and 7). Every decode batch runs the split-KV kernel: with 128-key
+# tiles when it is split or its (request, kv head) pairs exceed the target programs (batch 256
+# at context 1500: 1.00 of the copy bandwidth), with 64-key tiles when one segment per pair
+# leaves SMs short of programs (batch 64 at context 1024: 67 us per layer against 73 for the
+# varlen kernel and 78 for 128-key tiles). Batches with prefill rows run the varlen kernel.
 SPLIT_KV_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
+FEW_PAIRS_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=2)
 PREFILL_LAUNCH = KeyLoopLaunch(num_stages=2)
 # SM count assumed where no CUDA device tells its own (interpreter runs).
 _DEFAULT_SMS = 4
@@ -52,14 +55,22 @@ def choose_num_splits(
     return 1 << (wanted.bit_length() - 1)
 
 
+def decode_launch(num_splits: int, num_pairs: int, target_programs: int) -> KeyLoopLaunch:
+    """The split-KV kernel's key loop for a decode batch of ``num_pairs`` (request, kv head)
+    pairs cut into ``num_splits`` segments each."""
+    if num_splits > 1 or num_pairs > target_programs:
+        return SPLIT_KV_LAUNCH
+    return FEW_PAIRS_LAUNCH
+
+
 class TritonBackend:
     """AttentionBackend on Triton kernels.
 
     Batches whose queries are all single rows (``max_query_len == 1``) run the split-KV decode
-    kernel when splitting gives more than one segment, or when their (request, kv head) pairs
-    alone exceed ``target_programs``; everything else runs the varlen kernel. Under a FULL CUDA
-    graph both choices are fixed at capture (from the capture's ``num_reqs`` and
-    ``max_seq_len``); the results stay exact for any replayed seq_lens.
+    kernel (segments from ``choose_num_splits``, key loop from ``decode_launch``); batches with
+    prefill rows run the varlen kernel. Under a FULL CUDA graph both choices are fixed at
+    capture (from the capture's ``num_reqs`` and ``max_seq_len``); the results stay exact for
+    any replayed seq_lens.
     """
 
     name = "triton"
@@ -94,26 +105,25 @@ class TritonBackend:
             raise ValueError("metadata.causal: the triton backend only runs causal attention")
         if metadata.num_actual_tokens == 0:
             return
-        launch = PREFILL_LAUNCH
         if metadata.max_query_len == 1:
-            pairs = metadata.num_reqs * kv_cache.shape[3]
+            num_kv_heads = kv_cache.shape[3]
             num_splits = choose_num_splits(
                 metadata.num_reqs,
-                kv_cache.shape[3],
+                num_kv_heads,
                 metadata.max_seq_len,
                 self.target_programs,
                 self.min_keys_per_split,
             )
-            if num_splits > 1 or pairs > self.target_programs:
-                paged_attention_split_kv(
-                    query, kv_cache, metadata.block_table, metadata.query_start_loc,
-                    metadata.seq_lens, metadata.num_reqs, scale, output, num_splits,
-                    SPLIT_KV_LAUNCH,
-                )  # fmt: skip
-                return
-            launch = DEFAULT_LAUNCH
+            launch = decode_launch(
+                num_splits, metadata.num_reqs * num_kv_heads, self.target_programs
+            )
+            paged_attention_split_kv(
+                query, kv_cache, metadata.block_table, metadata.query_start_loc,
+                metadata.seq_lens, metadata.num_reqs, scale, output, num_splits, launch,
+            )  # fmt: skip
+            return
         paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len, scale, output,
-            launch,
+            PREFILL_LAUNCH,
         )  # fmt: skip
