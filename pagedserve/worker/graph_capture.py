@@ -16,9 +16,13 @@ inside a capture: Triton JIT compiles, cuBLAS workspace allocation. Where they a
   the symbolic size by the first (profile) run, and attention runs eagerly between the
   pieces, outside any graph. One warm-up on the capture stream (its cuBLAS workspace) serves
   every size, instead of one per size.
-- FULL graphs hold the Triton attention kernels, whose JIT specializations depend on integer
-  arguments (request counts divisible by 16, equal to 1, ...): each size gets its warm-up.
-  These are decode steps of at most ``max_num_seqs`` tokens, so they cost little.
+- FULL graphs hold the Triton kernels (attention, input prep), whose JIT specializations
+  depend on integer arguments (request counts divisible by 16, equal to 1, ...), so a size may
+  need a kernel no earlier run compiled. A Triton compile and module load inside a capture is
+  allowed (host work; nothing is recorded; measured on the H200 with torch 2.11 in every
+  capture error mode), so only the largest FULL size gets a warm-up (cuBLAS at decode shapes)
+  and the others none: a warm-up per size was a whole eager step each, ~0.9 s of a warm
+  start's 35 FULL captures.
 
 Memory (issue #7): PIECEWISE graphs do not touch the KV cache (attention runs outside them), so
 ``capture_before_kv_cache`` captures all of them during profiling, on the temporary cache, and
@@ -145,10 +149,12 @@ def capture_piecewise(runner: ModelRunner) -> list[int]:
     return sizes
 
 
+def _full_plans(runner: ModelRunner, size: int) -> Plans:
+    return _plan([1] * size, runner.block_size)
+
+
 def _capture_full(runner: ModelRunner, size: int) -> None:
-    plans = _plan([1] * size, runner.block_size)
-    _run(runner, plans)  # eager: this batch's Triton specializations compile outside the graph
-    _capture(runner, CudaGraphMode.FULL, size, plans)
+    _capture(runner, CudaGraphMode.FULL, size, _full_plans(runner, size))
 
 
 def probe_full(runner: ModelRunner) -> int:
@@ -159,8 +165,10 @@ def probe_full(runner: ModelRunner) -> int:
     start, before = time.perf_counter(), used_device_bytes(device)
     samples = []
     with pool.capture_phase(device):
-        for size in sizes[:2]:
+        for i, size in enumerate(sizes[:2]):
             size_before = used_device_bytes(device)
+            if i == 0:
+                _run(runner, _full_plans(runner, size))  # the phase's one warm-up
             _capture_full(runner, size)
             samples.append(used_device_bytes(device) - size_before)
     for size in sizes[:2]:
@@ -193,6 +201,8 @@ def capture_graphs(runner: ModelRunner) -> dict[str, list[int]]:
     sizes = _runner_full_sizes(runner)
     start, before = time.perf_counter(), used_device_bytes(device)
     with pool.capture_phase(device):
+        if sizes:
+            _run(runner, _full_plans(runner, sizes[0]))  # the phase's one warm-up
         for size in sizes:
             _capture_full(runner, size)
     memory = pool.memory
