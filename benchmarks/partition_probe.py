@@ -15,7 +15,9 @@ Llama-3-8B shape, bf16, 32 layers:
       carveout c, on the default cuBLAS path and on cuBLASLt; answers whether the SM target
       is honoured;
   together: the GEMM chain (carveout c) on one stream and the attention (G programs) on
-      another, both CUDA graphs, against one after the other. The hidden fraction is
+      another, both CUDA graphs, against one after the other (G = k x c programs for each k of
+      ``--programs-per-sm``: can k programs on each SM the GEMMs leave read the KV at the
+      card's bandwidth?). The hidden fraction is
       (attention + gemm - together) / min(attention, gemm): 1 is a perfect overlap.
 Writes ``partition_probe.json``; what it means: BENCHMARKS.md, session 6.
 """
@@ -107,7 +109,8 @@ def pair_row(g_attn: torch.cuda.CUDAGraph, g_gemm: torch.cuda.CUDAGraph,
 
 
 def together_rows(decode: DecodeBatch, gemms: PrefillGemms, carveouts: list[int],
-                  launch: tuple[int, int, int], prefetch: bool, backend: str) -> dict:
+                  launch: tuple[int, int, int], prefetch: bool, backend: str,
+                  per_sm: list[int]) -> dict:
     torch.backends.cuda.preferred_blas_library(backend)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     # the engine's attention launch beside an un-carved GEMM chain: session 5's baseline
@@ -115,7 +118,7 @@ def together_rows(decode: DecodeBatch, gemms: PrefillGemms, carveouts: list[int]
                                   streams)}
     for c in carveouts:
         g_gemm = carved_graph(gemms.run, c)
-        for programs in (c, 2 * c):
+        for programs in (k * c for k in per_sm):
             rows[f"c{c}_g{programs}"] = pair_row(
                 capture_graph(decode.persistent(programs, *launch, prefetch)), g_gemm, streams)
     for name, r in rows.items():
@@ -134,6 +137,10 @@ def main() -> None:
     parser.add_argument("--launch", type=int, nargs=3, default=[64, 4, 3],
                         metavar=("TILE_N", "WARPS", "STAGES"),
                         help="the persistent attention's launch shape in 'together'")
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2],
+                        help="in 'together': G = k x c attention programs for each k (c: the "
+                             "SMs the GEMMs leave)")
+    parser.add_argument("--backends", nargs="+", default=["cublas", "cublaslt"])
     parser.add_argument("--skip-attention-sweep", action="store_true")
     parser.add_argument("--prefetch-ids", action="store_true",
                         help="the persistent attention loads the next tile's block ids ahead")
@@ -154,10 +161,10 @@ def main() -> None:
         gemms = PrefillGemms(rows)
         report[f"gemm_p{rows}"] = gemm_rows(gemms, sms, args.carveouts)
         save()
-        for backend in ("cublas", "cublaslt"):
+        for backend in args.backends:
             report[f"together_p{rows}_{backend}"] = together_rows(
                 decode, gemms, [c for c in args.carveouts if c], tuple(args.launch),
-                args.prefetch_ids, backend)
+                args.prefetch_ids, backend, args.programs_per_sm)
             save()
         del gemms
     print(f"done after {time.perf_counter() - t0:.1f} s", flush=True)
