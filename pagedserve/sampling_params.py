@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 _MAX_N = 128
@@ -88,6 +89,10 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def clone(self) -> SamplingParams:
-        import copy
-
-        return copy.deepcopy(self)
+        """A copy with its own lists and dict (every other field is immutable); a deep copy
+        cost ~80 us per request at admission."""
+        twin = copy.copy(self)
+        twin.stop = list(self.stop)
+        twin.stop_token_ids = list(self.stop_token_ids)
+        twin.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
+        return twin

@@ -95,7 +95,7 @@ class InputProcessor:
             return prompt, list(self._require_tokenizer("prompt").encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), list(map(int, prompt["prompt_token_ids"]))
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
@@ -135,11 +135,14 @@ class InputProcessor:
     # -- validation ----------------------------------------------------------------------------
 
     def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
-        for t in token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"{field}: token id {t} is outside the vocabulary (size {self.vocab_size})"
-                )
+        """Raise naming ``field`` and the first id outside the vocabulary. min and max run in
+        C; the loop that finds the id runs only for a bad prompt."""
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return
+        bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+        raise ValueError(
+            f"{field}: token id {bad} is outside the vocabulary (size {self.vocab_size})"
+        )
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         room = self.max_model_len - num_prompt_tokens

@@ -60,6 +60,15 @@ def test_bad_input_names_the_field(processor, prompt, params, field):
         processor.process_inputs("r", prompt, params)
 
 
+@pytest.mark.parametrize(
+    ("ids", "first_bad"), [([1, -3, 10_000], -3), ([10_000, -3], 10_000), ([-3], -3)]
+)
+def test_bad_token_id_is_named(processor, ids, first_bad):
+    """The message names the first id outside the vocabulary."""
+    with pytest.raises(ValueError, match=f"^prompt_token_ids: token id {first_bad} "):
+        processor.process_inputs("r", ids, SamplingParams())
+
+
 def test_prompt_plus_max_tokens_may_fill_the_context_exactly(processor):
     processed = processor.process_inputs("r", [1] * 60, SamplingParams(max_tokens=4))
     assert processed.requests[0].max_tokens == 4
