@@ -43,9 +43,12 @@ from decode_batch import (
 
 REPS = 15
 # (tile_n, num_warps, num_stages, block_m) of the variants; 64 query rows (4 heads padded)
-# take Hopper's wgmma path, whose pipelining double-buffers K/V even without the prefetch
+# take Hopper's wgmma path, whose pipelining double-buffers K/V even without the prefetch;
+# 8 warps: twice the warps issuing one program's dots and softmax (session 7: a 4-warp program
+# read at most 31 GB/s with two or three K/V tiles in flight, while two programs per SM read
+# twice as much; the per-tile instruction chain is the suspect, the warp count the test)
 LAUNCHES = [(128, 4, 2, 16), (128, 4, 3, 16), (64, 4, 3, 16), (64, 4, 4, 16), (64, 4, 5, 16),
-            (64, 4, 2, 64), (64, 4, 3, 64), (128, 4, 3, 64)]
+            (64, 4, 2, 64), (64, 4, 3, 64), (128, 4, 3, 64), (128, 8, 3, 16), (64, 8, 4, 16)]
 
 
 def print_ir_depths() -> None:
