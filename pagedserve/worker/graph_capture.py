@@ -21,7 +21,7 @@ inside a capture: Triton JIT compiles, cuBLAS workspace allocation. Where they a
   need a kernel no earlier run compiled. A Triton compile and module load inside a capture is
   allowed (host work; nothing is recorded; measured on the H200 with torch 2.11 in every
   capture error mode), so only the largest FULL size gets a warm-up (cuBLAS at decode shapes)
-  and the others none: a warm-up per size was a whole eager step each, ~0.9 s of a warm
+  and the others none: a warm-up per size was a whole eager step each, ~0.8 s of a warm
   start's 35 FULL captures.
 
 Memory (issue #7): PIECEWISE graphs do not touch the KV cache (attention runs outside them), so
