@@ -47,8 +47,10 @@ class StackSampler(threading.Thread):
 
     def write(self, stacks_path, top_path) -> None:
         self.running = False
+        self.join()  # its last sample lands before the counts are read
+        elapsed = time.perf_counter() - T0
         samples = sum(self.stacks.values())
-        per_sample = (time.perf_counter() - T0) / max(1, samples)  # sleeps overshoot SAMPLE_S
+        per_sample = elapsed / max(1, samples)  # sleeps overshoot SAMPLE_S
         lines = [f"{';'.join(stack)} {count}" for stack, count in self.stacks.most_common()]
         stacks_path.write_text("\n".join(lines) + "\n")
         by_function: Counter[str] = Counter()
@@ -58,7 +60,7 @@ class StackSampler(threading.Thread):
                 by_function[frame] += count
             for path in {frame.rsplit(":", 1)[0] for frame in stack}:
                 by_file[path] += count
-        text = [f"{samples} samples over {time.perf_counter() - T0:.2f} s"]
+        text = [f"{samples} samples over {elapsed:.2f} s"]
         for title, counter in (("function", by_function), ("file", by_file)):
             text.append(f"\nseconds under each {title} (inclusive), top 80")
             text += [f"{n * per_sample:8.2f}  {name}" for name, n in counter.most_common(80)]
