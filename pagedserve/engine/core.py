@@ -26,6 +26,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
+from pagedserve.engine.gc_heap import freeze_startup_heap
 from pagedserve.model.loader import get_max_model_len
 from pagedserve.model.resolve import ResolvedModel, resolve_model
 from pagedserve.platform import configure_process, resolve_device, resolve_dtype
@@ -106,6 +107,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
         )
+        # What start-up built lives as long as the engine: out of the collector's walks, so that
+        # no full collection stalls a step later (``gc_heap``).
+        freeze_startup_heap()
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
             time.perf_counter() - start,

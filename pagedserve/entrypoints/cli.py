@@ -10,15 +10,14 @@ stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import importlib.util
 import logging
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
+from pagedserve.engine.gc_heap import startup_gc_paused
 from pagedserve.entrypoints.cli_args import (
     add_engine_args,
     add_sampling_args,
@@ -147,25 +146,6 @@ def run_chat(llm: Any, params: Any, stdin: TextIO = sys.stdin) -> None:
             print(f"{PROG} chat: {e}", file=sys.stderr)
             continue
         history.append({"role": "assistant", "content": reply})
-
-
-@contextmanager
-def startup_gc_paused() -> Iterator[None]:
-    """Run the engine's start-up with the cyclic garbage collector paused, then freeze what it
-    built.
-
-    Importing torch and transformers and loading the model create a few hundred thousand
-    objects that live as long as the process, and almost no cyclic garbage (~10k objects).
-    Each collection triggered meanwhile walks all of them again: ~1 s of CPU of a ~8 s
-    start-up on one core, for nothing. ``gc.freeze()`` then keeps them out of later
-    collections (the few start-up cycles it keeps are the price).
-    """
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def _run(args: argparse.Namespace, plugin: Any) -> int:

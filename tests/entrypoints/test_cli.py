@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import importlib.util
 import io
 import os
@@ -118,18 +117,6 @@ def test_request_seed_fixes_the_tokens_whatever_the_engine_seed(tiny_generate_ar
         assert cli.main([*tiny_generate_argv, "--seed", seed, "--request-seed", "5"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1]
-
-
-def test_startup_gc_pause_ends_with_the_collector_on_and_start_up_frozen():
-    gc.unfreeze()
-    try:
-        with pytest.raises(ValueError, match="start-up failed"), cli.startup_gc_paused():
-            assert not gc.isenabled()
-            raise ValueError("start-up failed")
-        assert gc.isenabled()
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
 
 
 def test_help_lists_the_commands():

@@ -1,0 +1,47 @@
+"""Keep the start-up heap out of Python's garbage collector.
+
+Importing torch, transformers and the compile stack, loading the model, compiling it and
+capturing its graphs create about a million objects that live as long as the process and almost
+no cyclic garbage. Left in the collector's generations, they are walked again by every full
+(generation-2) collection: ~0.3 ms per thousand objects on the CPU, so one collection that lands
+in the middle of serving stalls a step for 150-300 ms while the GPU waits. A burst of requests
+triggers such collections (their objects survive the young generations and the collector's
+long-lived threshold trips). ``gc.freeze()`` moves everything alive at that moment into a
+permanent generation that no collection visits; vLLM's engine core does the same after start-up.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then freeze what is left: the engine's whole start-up heap.
+
+    The collection first, so that no start-up garbage (compile-time graphs, warm-up tensors in
+    reference cycles: host memory, and card memory where a cycle holds a tensor) is frozen for
+    the life of the process; it walks the heap once, ~0.2 s per 500k objects.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+@contextmanager
+def startup_gc_paused() -> Iterator[None]:
+    """Run a start-up with the cyclic collector paused, then freeze what it built.
+
+    Each collection triggered during start-up would walk the whole growing heap again (~1 s of
+    CPU of a ~8 s start-up on one core), for the ~10k objects of cyclic garbage it finds; the
+    few start-up cycles the freeze keeps are the price. Nests: an inner pause leaves the
+    collector as the outer one wants it (off) until the outer one ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
