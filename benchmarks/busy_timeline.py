@@ -12,14 +12,26 @@ is what it is without the profiler), and reports:
   each tenth (the tail of a workload with uneven lengths runs at small batch);
 - per-step wall time by the number of requests the step ran, and the slowest steps;
 - every Triton kernel compiled during the run (a first-use JIT compile stalls the GPU).
-``--repeat 2`` runs the workload twice in the same process: the second run shows the engine
-with every kernel already compiled. Everything goes to DIR/busy_timeline.json.
+The engine runs with ``--budget-step-graph`` by default (``--engine-args`` replaces the engine
+options). ``--repeat 2`` runs the workload twice in the same process; the second run's prompts
+are the first run's, so prefix caching serves them (a different workload: use the warm-up
+prompts to see an engine past its first work). ``--phases N`` also times each step's host phases (those of
+``host_overhead.py``: schedule, prep, forward, sample, output, update, process) and lists the
+first N steps one by one; every run lists Python's garbage collections (generation, ms, step).
+``--cprofile-steps N`` runs cProfile over the first N steps of the first run and writes the top
+functions (cumulative and own time) to DIR/cprofile_first_steps.txt (cProfile slows Python-heavy
+code about twice: for where the host time goes, not for the busy figure). ``--freeze-gc`` calls ``gc.freeze()`` before the runs (what the engine does at start-up
+otherwise: the A/B of that). Everything goes to DIR/busy_timeline.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
+import pstats
 import shutil
 import tempfile
 import time
@@ -27,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from host_overhead import PhaseTimer, instrument, split_phases
 
 from pagedserve.entrypoints.bench import throughput
 from pagedserve.entrypoints.bench.gpu_busy import busy_union_us
@@ -69,6 +82,67 @@ class CompileLog:
         taken = list(self.compiles)
         self.compiles.clear()
         return taken
+
+
+class GcLog:
+    """Every collection of Python's cyclic garbage collector while installed: (generation, ms,
+    index of the engine step it ran in)."""
+
+    def __init__(self, steps: list) -> None:
+        self.events: list[tuple[int, float, int]] = []
+        self._steps, self._start = steps, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._start) * 1e3
+            self.events.append((info["generation"], round(ms, 2), len(self._steps)))
+
+    def remove(self) -> dict:
+        gc.callbacks.remove(self._callback)
+        by_gen = {}
+        for gen in range(3):
+            ms = [e[1] for e in self.events if e[0] == gen]
+            by_gen[f"gen{gen}"] = {"count": len(ms), "total_ms": round(sum(ms), 1),
+                                   "max_ms": max(ms, default=0.0)}
+        slow = sorted(self.events, key=lambda e: -e[1])[:10]
+        return {**by_gen, "slowest": [{"gen": g, "ms": ms, "step": i} for g, ms, i in slow]}
+
+
+class FirstStepsProfile:
+    """cProfile over the first ``num_steps`` engine steps from now (0: off); writes the top
+    functions to OUT/cprofile_first_steps.txt when the last of them ends."""
+
+    def __init__(self, core, num_steps: int, out: Path) -> None:  # noqa: ANN001
+        self._core, self._step, self._left, self._out = core, core.step, num_steps, out
+        self._profile = cProfile.Profile()
+        if num_steps > 0:
+            core.step = self._profiled
+
+    def _profiled(self):  # noqa: ANN202
+        if self._left <= 0:  # done (another wrapper may still hold this one)
+            return self._step()
+        self._profile.enable()
+        try:
+            return self._step()
+        finally:
+            self._profile.disable()
+            self._left -= 1
+            if self._left == 0:
+                self._write()
+
+    def _write(self) -> None:
+        text = io.StringIO()
+        stats = pstats.Stats(self._profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
+        (self._out / "cprofile_first_steps.txt").write_text(text.getvalue())
+
+    def remove(self) -> None:
+        if self._core.step == self._profiled:
+            self._core.step = self._step
 
 
 class StepLog:
@@ -116,8 +190,15 @@ def main() -> None:
     parser.add_argument("--config", default="qwen3-0.6b.json")
     parser.add_argument("--workload", default="--num-prompts 256 --input-len 562 "
                         "--output-len 562 --range-ratio 0.822")
-    parser.add_argument("--engine-args", default="--gpu-memory-utilization 0.25 --max-num-seqs 256")
+    parser.add_argument("--engine-args", default="--gpu-memory-utilization 0.25 --max-num-seqs 256 "
+                        "--budget-step-graph")
     parser.add_argument("--repeat", type=int, default=1, help="runs of the workload")
+    parser.add_argument("--phases", type=int, default=0, metavar="N",
+                        help="time each step's host phases; list the first N steps")
+    parser.add_argument("--cprofile-steps", type=int, default=0, metavar="N",
+                        help="cProfile the first N steps of the first run")
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="gc.freeze() before the runs")
     parser.add_argument("--warmup-prompts", type=int, default=32,
                         help="prompts (200 in / 50 out) run before the measured runs; 0: none, "
                         "the first run is the engine's first work after start-up")
@@ -133,19 +214,33 @@ def main() -> None:
     if args.warmup_prompts > 0:
         throughput.run(llm, bench.parse_args([*common, "--num-prompts", str(args.warmup_prompts),
                                               "--input-len", "200", "--output-len", "50"]))
+    if args.freeze_gc:
+        gc.freeze()
+    print(f"objects the collector tracks: {len(gc.get_objects())}, frozen: "
+          f"{gc.get_freeze_count()}", flush=True)
     compiles = CompileLog()
-    reports = [profiled_run(llm, bench.parse_args([*common, *args.workload.split()]), compiles)
+    timer = PhaseTimer() if args.phases else None
+    if timer is not None:
+        instrument(llm, timer)
+    workload = bench.parse_args([*common, *args.workload.split()])
+    first_steps = FirstStepsProfile(llm.engine_core, args.cprofile_steps, out)
+    reports = [profiled_run(llm, workload, compiles, timer, args.phases)
                for _ in range(args.repeat)]  # fmt: skip
+    first_steps.remove()
     for report in reports:
         print(json.dumps(report, indent=1), flush=True)
     summary = {"config": args.config, "workload": args.workload, "runs": reports}
     (out / "busy_timeline.json").write_text(json.dumps(summary, indent=1))
 
 
-def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog) -> dict:  # noqa: ANN001
+def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog,  # noqa: ANN001
+                 timer: PhaseTimer | None, num_listed: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     log = StepLog(llm.engine_core)
+    gc_log = GcLog(log.steps)
+    if timer is not None:
+        timer.steps.clear()
     compiles.take()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -154,6 +249,7 @@ def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog) -> dic
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
     llm.engine_core.step = log._step  # unwrap
+    gc_summary = gc_log.remove()
     intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA]
     t0 = min(s for s, _ in intervals)
@@ -165,7 +261,25 @@ def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog) -> dic
         "busy_per_tenth": per_tenth(intervals, t0, t1),
         "triton_compiles": compiles.take(),
         **log.summary(start, start + wall_us / 1e6),
+        "gc": gc_summary,
+        **({} if timer is None else phase_summary(timer, log, num_listed)),
     }  # fmt: skip
+
+
+def phase_summary(timer: PhaseTimer, log: StepLog, num_listed: int) -> dict:
+    """Host phases (ms) of the first ``num_listed`` steps one by one, and their mean per
+    running-requests bucket (one timer entry per engine step, in order)."""
+    rows = []
+    for (start, end, running), raw in zip(log.steps, timer.steps, strict=False):
+        phases = {k: round(v * 1e3, 2) for k, v in split_phases(raw).items()}
+        rows.append({"running": running, "ms": round((end - start) * 1e3, 2), **phases})
+    by_batch = {}
+    for lo, hi in zip(BUCKETS[:-1], BUCKETS[1:]):
+        inside = [r for r in rows if lo <= r["running"] < hi or r["running"] == hi == BUCKETS[-1]]
+        if inside:
+            by_batch[f"{lo}-{hi}"] = {k: round(float(np.mean([r[k] for r in inside])), 3)
+                                      for k in inside[0] if k != "running"}  # fmt: skip
+    return {"phases_first_steps": rows[:num_listed], "phases_by_running": by_batch}
 
 
 if __name__ == "__main__":

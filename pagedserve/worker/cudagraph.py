@@ -12,14 +12,18 @@ costs little).
   the graph of the whole forward, padded to the next FULL size in tokens *and* requests.
 - Anything else within the PIECEWISE ladder: PIECEWISE, the compiled pieces between attention
   ops, padded to the next PIECEWISE size in tokens only.
-- Above both, or with ``enforce_eager``: NONE (eager, no padding).
+- Above the PIECEWISE ladder, a step of exactly an *exact* size (``CaptureLadders.exact``: the
+  token budget with ``budget_step_graph``): PIECEWISE, unpadded. Nothing pads into an exact
+  size: above the ladder a step's GEMMs are compute-bound, so padding costs its share of GPU
+  time, while the steps of a prompt burst fill the budget exactly.
+- Anything else, or with ``enforce_eager``: NONE (eager, no padding).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DECODE_QUERY_LEN = 1
 """Tokens a decode step runs per request (no speculative decoding)."""
@@ -53,12 +57,17 @@ class CaptureLadders:
 
     full: list[int]
     piecewise: list[int]
+    exact: list[int] = field(default_factory=list)
+    """PIECEWISE sizes above the ladder that only a step of exactly that many tokens replays."""
 
     def __post_init__(self) -> None:
-        for name in ("full", "piecewise"):
+        for name in ("full", "piecewise", "exact"):
             sizes = getattr(self, name)
             if sizes != sorted(set(sizes)):
                 raise ValueError(f"CaptureLadders.{name}: not ascending and distinct: {sizes}")
+        if self.exact and self.piecewise and self.exact[0] <= self.piecewise[-1]:
+            raise ValueError(f"CaptureLadders.exact: {self.exact} must lie above the PIECEWISE "
+                             f"ladder (up to {self.piecewise[-1]})")
 
     def ladder(self, mode: CudaGraphMode) -> list[int]:
         """The sizes ``mode`` pads on (NONE: the PIECEWISE ladder, the one every batch that is
@@ -102,4 +111,6 @@ def dispatch(
         return BatchDescriptor(CudaGraphMode.FULL, size, size)
     if piecewise and num_tokens <= piecewise[-1]:
         return BatchDescriptor(CudaGraphMode.PIECEWISE, padded_size(num_tokens, piecewise), None)
+    if num_tokens in ladders.exact:
+        return BatchDescriptor(CudaGraphMode.PIECEWISE, num_tokens, None)
     return BatchDescriptor(CudaGraphMode.NONE, num_tokens, None)

@@ -64,13 +64,21 @@ def full_sizes(capture_sizes: list[int], max_num_reqs: int, max_num_batched_toke
     return sorted((s for s in capture_sizes if s <= limit), reverse=True)
 
 
-def piecewise_sizes(capture_sizes: list[int], max_num_batched_tokens: int, max_model_len: int,
+def piecewise_sizes(capture_sizes: list[int], max_num_batched_tokens: int,
                     usable_blocks: int, block_size: int) -> list[int]:
-    """PIECEWISE capture sizes (of the PIECEWISE ladder), largest first: one ``size``-token
-    prompt must fit the token budget, the context and the blocks. Size 1 is left out: a
-    one-token step is a decode (FULL) unless it is a one-token prefill."""
-    limit = min(max_num_batched_tokens, max_model_len, usable_blocks * block_size)
+    """PIECEWISE capture sizes (of the PIECEWISE ladder and its exact sizes), largest first: a
+    size's prompts must fit the token budget and the blocks. Size 1 is left out: a one-token
+    step is a decode (FULL) unless it is a one-token prefill."""
+    limit = min(max_num_batched_tokens, usable_blocks * block_size)
     return sorted((s for s in capture_sizes if 2 <= s <= limit), reverse=True)
+
+
+def prompt_lens(size: int, max_model_len: int, block_size: int) -> list[int]:
+    """Prompts of at most ``max_model_len`` tokens (whole blocks but the last) that make
+    ``size`` tokens: a PIECEWISE graph depends on the step's token count only (attention, where
+    the requests show, runs between the pieces), so a size above the context still has one."""
+    longest = max_model_len // block_size * block_size or max_model_len
+    return [longest] * (size // longest) + ([size % longest] if size % longest else [])
 
 
 def full_graph_estimate(samples: list[int], num_graphs: int) -> int:
@@ -133,14 +141,16 @@ def _runner_full_sizes(runner: ModelRunner) -> list[int]:
 def capture_piecewise(runner: ModelRunner) -> list[int]:
     """Capture every PIECEWISE size after one warm-up; records the memory they hold."""
     pool, device, bs = _graph_pool(runner), runner.device, runner.block_size
-    sizes = piecewise_sizes(runner.capture_ladders.piecewise, runner.max_num_batched_tokens,
-                            runner.max_model_len, runner.num_blocks - 1, bs)
+    ladders = runner.capture_ladders
+    sizes = piecewise_sizes(ladders.piecewise + ladders.exact, runner.max_num_batched_tokens,
+                            runner.num_blocks - 1, bs)
+    plans = {size: _plan(prompt_lens(size, runner.max_model_len, bs), bs) for size in sizes}
     start, before = time.perf_counter(), used_device_bytes(device)
     with pool.capture_phase(device):
         if sizes:
-            _run(runner, _plan([sizes[0]], bs))  # the one warm-up, on the capture stream
+            _run(runner, plans[sizes[0]])  # the one warm-up, on the capture stream
         for size in sizes:
-            _capture(runner, CudaGraphMode.PIECEWISE, size, _plan([size], bs))
+            _capture(runner, CudaGraphMode.PIECEWISE, size, plans[size])
     pool.memory.piecewise = used_device_bytes(device) - before
     num_graphs = len(sizes) * len(runner.compiled_forward.piecewise_wrappers)
     log_phase(logger, "capture PIECEWISE", time.perf_counter() - start,

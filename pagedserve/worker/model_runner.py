@@ -68,6 +68,17 @@ class ExecuteModelState:
     hidden_states: torch.Tensor  # [num_tokens_after_padding, hidden_size], device
 
 
+def capture_ladders(config: EngineConfig) -> CaptureLadders:
+    """The configured ladders, and the token budget as an exact PIECEWISE size where
+    ``budget_step_graph`` asks for it and the ladder stops below the budget."""
+    compilation = config.compilation
+    full, piecewise = compilation.full_capture_sizes, compilation.piecewise_capture_sizes
+    budget = config.scheduler.max_num_batched_tokens
+    above_ladder = not piecewise or budget > piecewise[-1]
+    exact = [budget] if compilation.budget_step_graph and above_ladder else []
+    return CaptureLadders(full, piecewise, exact)
+
+
 def _first_eos(hf_config: object) -> int | None:
     eos = getattr(hf_config, "eos_token_id", None)
     return eos[0] if isinstance(eos, list | tuple) and eos else eos
@@ -81,8 +92,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.capture_ladders = CaptureLadders(config.compilation.full_capture_sizes,
-                                              config.compilation.piecewise_capture_sizes)
+        self.capture_ladders = capture_ladders(config)
         # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
         self.max_num_tokens = self.capture_ladders.max_padded_tokens(self.max_num_batched_tokens)
         self.max_num_reqs_padded = self.capture_ladders.max_padded_reqs(self.max_num_reqs)

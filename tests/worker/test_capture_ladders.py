@@ -7,9 +7,11 @@ import pytest
 
 from pagedserve.config import (
     CompilationConfig,
+    EngineConfig,
     default_capture_sizes,
     default_piecewise_capture_sizes,
 )
+from pagedserve.worker.model_runner import capture_ladders
 
 
 def test_default_ladders() -> None:
@@ -54,3 +56,17 @@ def test_explicit_piecewise_sizes_override_for_piecewise_only() -> None:
 def test_sizes_below_one_are_refused(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         CompilationConfig(**{field: (0, 8)})
+
+
+def test_budget_step_graph_adds_the_token_budget_as_an_exact_size() -> None:
+    def ladders(**kwargs):  # noqa: ANN202
+        budget = kwargs.pop("max_num_batched_tokens", 8192)
+        return capture_ladders(EngineConfig.from_kwargs(max_num_batched_tokens=budget, **kwargs))
+
+    assert ladders().exact == []  # off by default
+    on = ladders(budget_step_graph=True)
+    assert on.exact == [8192] and on.piecewise == default_piecewise_capture_sizes(512)
+    assert ladders(budget_step_graph=True, max_num_batched_tokens=16384).exact == [16384]
+    # A budget the ladder already reaches needs no graph of its own.
+    assert ladders(budget_step_graph=True, max_num_batched_tokens=512).exact == []
+    assert ladders(budget_step_graph=True, max_num_batched_tokens=300).exact == []

@@ -13,7 +13,12 @@ from pagedserve.worker.cudagraph import (
     dispatch,
     padded_size,
 )
-from pagedserve.worker.graph_capture import full_graph_estimate, full_sizes, piecewise_sizes
+from pagedserve.worker.graph_capture import (
+    full_graph_estimate,
+    full_sizes,
+    piecewise_sizes,
+    prompt_lens,
+)
 
 DENSE = default_capture_sizes(512)  # 1, 2, 4, 8..256 by 8, 272..512 by 16
 SPARSE = default_piecewise_capture_sizes(512)  # 2, 4, ..., 64, then by 64 to 512
@@ -44,6 +49,23 @@ def test_decode_above_the_full_ladder_falls_to_piecewise() -> None:
     assert dispatch(6, 6, 1, ladders, False) == BatchDescriptor(PIECEWISE, 8, None)
     assert dispatch(4, 4, 1, CaptureLadders(full=[], piecewise=[8]), False).mode is PIECEWISE
     assert dispatch(4, 4, 1, CaptureLadders([], []), False).mode is NONE
+
+
+def test_only_a_step_of_exactly_the_budget_replays_the_budget_graph() -> None:
+    ladders = CaptureLadders(full=DENSE, piecewise=SPARSE, exact=[8192])
+    assert dispatch(14, 8192, None, ladders, False) == BatchDescriptor(PIECEWISE, 8192, None)
+    assert dispatch(14, 8191, None, ladders, False) == BatchDescriptor(NONE, 8191, None)
+    assert dispatch(3, 600, None, ladders, False) == BatchDescriptor(NONE, 600, None)
+    assert dispatch(3, 300, None, ladders, False) == BatchDescriptor(PIECEWISE, 320, None)
+    assert dispatch(14, 8192, None, ladders, True).mode is NONE  # enforce_eager
+    assert ladders.max_padded_tokens(8192) == 8192
+
+
+def test_exact_sizes_lie_above_the_piecewise_ladder() -> None:
+    with pytest.raises(ValueError, match="exact"):
+        CaptureLadders(full=DENSE, piecewise=SPARSE, exact=[256])
+    with pytest.raises(ValueError, match="exact"):
+        CaptureLadders(full=DENSE, piecewise=SPARSE, exact=[9000, 8192])
 
 
 def test_enforce_eager_never_pads() -> None:
@@ -103,22 +125,32 @@ def test_full_sizes_fit_slots_tokens_and_blocks_largest_first() -> None:
     assert full_sizes(DENSE, 256, max_num_batched_tokens=3, usable_blocks=99) == [2, 1]
 
 
-def test_piecewise_sizes_skip_one_and_fit_budget_context_and_blocks() -> None:
-    sizes = piecewise_sizes(DENSE, 8192, 4096, usable_blocks=10_000, block_size=16)
+def test_piecewise_sizes_skip_one_and_fit_budget_and_blocks() -> None:
+    sizes = piecewise_sizes(DENSE, 8192, usable_blocks=10_000, block_size=16)
     assert sizes[0] == 512 and sizes[-1] == 2 and 1 not in sizes
     assert len(sizes) == len(DENSE) - 1
-    assert piecewise_sizes(DENSE, 8192, max_model_len=20, usable_blocks=99,
+    assert piecewise_sizes(DENSE, max_num_batched_tokens=20, usable_blocks=99,
                            block_size=16) == [16, 8, 4, 2]
-    assert piecewise_sizes(DENSE, 8192, 4096, usable_blocks=2, block_size=16)[0] == 32
-    assert piecewise_sizes(SPARSE, 8192, max_model_len=300, usable_blocks=99,
-                           block_size=16) == [256, 192, 128, 64, 32, 16, 8, 4, 2]
+    assert piecewise_sizes(DENSE, 8192, usable_blocks=2, block_size=16)[0] == 32
+    assert piecewise_sizes(SPARSE + [8192], 8192, usable_blocks=512, block_size=16) == [
+        8192, 512, 448, 384, 320, 256, 192, 128, 64, 32, 16, 8, 4, 2]
+
+
+def test_a_size_above_the_context_is_captured_as_several_prompts() -> None:
+    assert prompt_lens(256, max_model_len=4096, block_size=16) == [256]
+    assert prompt_lens(8192, max_model_len=4096, block_size=16) == [4096, 4096]
+    assert prompt_lens(8192, max_model_len=3000, block_size=16) == [2992, 2992, 2208]
+    assert prompt_lens(20, max_model_len=10, block_size=16) == [10, 10]
+    for size, context in ((8192, 3000), (300, 64), (7, 5)):
+        lens = prompt_lens(size, context, 16)
+        assert sum(lens) == size and max(lens) <= context
 
 
 def test_llama_8b_shape_capture_counts() -> None:
     """The 8B shape's defaults (max_num_seqs 256, max_num_batched_tokens 8192, context 8192):
     35 FULL graphs, and 13 PIECEWISE sizes (x 33 pieces = 429 graphs, down from 50 sizes)."""
     assert len(full_sizes(H200.full, 256, 8192, usable_blocks=100_000)) == 35
-    sizes = piecewise_sizes(H200.piecewise, 8192, 8192, usable_blocks=100_000, block_size=16)
+    sizes = piecewise_sizes(H200.piecewise, 8192, usable_blocks=100_000, block_size=16)
     assert sizes == [512, 448, 384, 320, 256, 192, 128, 64, 32, 16, 8, 4, 2]
 
 
