@@ -19,13 +19,20 @@ way), for G = 1/3 .. 2 programs per SM on the batch-256, context-1500 decode (32
 GB of KV). ``--ir`` prints each
 variant's shared memory and K/V buffer depth from the sm_90 compile (no GPU needed: Triton
 ships ptxas). Writes ``decode_depth_probe.json``.
+
+``--tma`` times ``decode_tma.py``'s kernel instead (each cache block's K and V as TMA copies,
+``stages - 1`` blocks in flight per program; sm_90 compile: 7 blocks deep, 62 KB of shared
+memory at 8 stages) at 1/3 .. 3 programs per SM, and writes ``decode_depth_probe_tma.json``;
+with ``--ir``, its sm_90 buffer depths and TMA copy counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +47,7 @@ from decode_batch import (
     launch,
     persistent_decode_kernel,
 )
+from decode_tma import cache_descriptors, launch_tma, persistent_decode_tma_kernel
 
 REPS = 15
 # (tile_n, num_warps, num_stages, block_m) of the variants; 64 query rows (4 heads padded)
@@ -78,47 +86,116 @@ def print_ir_depths() -> None:
               f"{kernel.metadata.shared} B, buffers (depth x rows x cols) {depths}", flush=True)
 
 
-def time_variants(out_dir: Path) -> None:
-    from graph_timing import COPY_BANDWIDTH, graph_time_ms
+TMA_LAUNCHES = [(4, 4), (4, 6), (4, 8), (8, 8)]  # (num_warps, num_stages)
+TMA_PER_SM = (1 / 3, 2 / 3, 1, 2, 3)
+
+
+def print_tma_ir() -> None:
+    """The TMA kernel's sm_90 compile per launch: shared memory, K/V buffer depth, copies."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = persistent_decode_tma_kernel
+    names = [p.name for p in fn.params]
+    constexprs = dict(KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
+                      BLOCK_SIZE=BLOCK, BLOCK_M=16)
+    sig = {n: "constexpr" if n in constexprs else "*bf16" if n.endswith("_ptr") else "i32"
+           for n in names}
+    desc = f"tensordesc<bf16[{BLOCK}, {HEAD_DIM}]>"
+    sig.update(block_table_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", k_desc=desc,
+               v_desc=desc)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
+    for warps, stages in TMA_LAUNCHES:
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps, num_stages=stages))
+        depths = sorted(set(re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x16x",
+                                       kernel.asm["ttgir"])))
+        copies = kernel.asm["ptx"].count("cp.async.bulk.tensor")
+        print(f"tma w{warps} s{stages}: shared {kernel.metadata.shared} B, K/V buffer depth "
+              f"{depths}, TMA copy instructions {copies}", flush=True)
+
+
+def _setup() -> tuple[DecodeBatch, torch.Tensor, dict]:
+    """The decode batch, the engine kernel's output on its layer 0 (the reference) and the
+    report's head (with the engine kernel's time over the 32 layers)."""
+    from graph_timing import graph_time_ms
 
     from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
     torch.manual_seed(0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = DecodeBatch()
-    q, cache0, table, seq_lens = batch.q, batch.caches[0], batch.block_table, batch.seq_lens
-    kv_bytes = batch.kv_bytes
-    ref = torch.empty_like(q)  # [DECODE_BATCH, HEADS, HEAD_DIM]: the engine kernel, layer 0
-    paged_attention_split_kv(q, cache0, table, batch.query_start_loc, seq_lens, DECODE_BATCH,
-                             HEAD_DIM**-0.5, ref, 1)
-
-    report = {"sms": sms, "kv_bytes": kv_bytes,
-              "engine_split_kv_ms": graph_time_ms(batch.engine(1), REPS),
-              "variants": []}
+    ref = torch.empty_like(batch.q)  # [DECODE_BATCH, HEADS, HEAD_DIM]
+    paged_attention_split_kv(batch.q, batch.caches[0], batch.block_table, batch.query_start_loc,
+                             batch.seq_lens, DECODE_BATCH, HEAD_DIM**-0.5, ref, 1)
+    report = {"sms": torch.cuda.get_device_properties(0).multi_processor_count,
+              "kv_bytes": batch.kv_bytes,
+              "engine_split_kv_ms": graph_time_ms(batch.engine(1), REPS), "variants": []}
     print(f"engine split-KV kernel: {report['engine_split_kv_ms']:.2f} ms", flush=True)
+    return batch, ref, report
+
+
+def _measure(batch: DecodeBatch, ref: torch.Tensor, report: dict, label: str, fields: dict,
+             once: Callable[[], None], run: Callable[[], None]) -> bool:
+    """``once`` (layer 0, checked against ``ref``), then ``run`` (32 layers) timed in a graph;
+    the row goes to ``report``. False when the launch fails (shared memory)."""
+    from graph_timing import COPY_BANDWIDTH, graph_time_ms
+
+    try:
+        once()
+        err = (batch.out.float() - ref.float()).abs().max().item()
+        ms = graph_time_ms(run, REPS)
+    except Exception as e:  # noqa: BLE001 - a launch that does not fit shared memory
+        print(f"  {label}: {e}"[:200], flush=True)
+        return False
+    kv_bytes, programs = report["kv_bytes"], fields["programs"]
+    row = {**fields, "ms": ms, "max_err": err,
+           "of_copy_bw": kv_bytes / (ms * 1e-3) / COPY_BANDWIDTH,
+           "gb_s_per_busy_sm": kv_bytes / (ms * 1e-3) / min(programs, report["sms"]) / 1e9}
+    report["variants"].append(row)
+    print(f"  {label}: {ms:.2f} ms ({row['of_copy_bw']:.2f} of copy bw, "
+          f"{row['gb_s_per_busy_sm']:.0f} GB/s per busy SM, err {err:.2g})", flush=True)
+    return True
+
+
+def time_tma(out_dir: Path) -> None:
+    batch, ref, report = _setup()
+    q, table, seq_lens = batch.q, batch.block_table, batch.seq_lens
+    descs = [cache_descriptors(cache) for cache in batch.caches]  # host work, outside graphs
+    for warps, stages in TMA_LAUNCHES:
+        for per_sm in TMA_PER_SM:
+            programs = max(1, round(report["sms"] * per_sm))
+
+            def launch_layer(i: int, programs=programs, warps=warps, stages=stages) -> None:  # noqa: ANN001
+                launch_tma(batch.out, q, batch.caches[i], table, seq_lens, programs, warps,
+                           stages, descs[i])
+
+            def run(launch_layer=launch_layer) -> None:  # noqa: ANN001
+                for i in range(len(batch.caches)):
+                    launch_layer(i)
+
+            fields = {"warps": warps, "stages": stages, "programs": programs}
+            if not _measure(batch, ref, report, f"tma w{warps} s{stages} G={programs}", fields,
+                            lambda f=launch_layer: f(0), run):
+                break
+        (out_dir / "decode_depth_probe_tma.json").write_text(json.dumps(report, indent=1))
+
+
+def time_variants(out_dir: Path) -> None:
+    batch, ref, report = _setup()
+    q, cache0, table, seq_lens = batch.q, batch.caches[0], batch.block_table, batch.seq_lens
     for variant, prefetch in [(x, p) for x in LAUNCHES for p in (False, True)]:
         tile_n, warps, stages, block_m = variant
         for per_sm in (1 / 3, 2 / 3, 1, 2):
-            programs = max(1, round(sms * per_sm))
-            try:
-                launch(batch.out, q, cache0, table, seq_lens, programs, tile_n, warps, stages,
-                       prefetch, block_m)
-                err = (batch.out.float() - ref.float()).abs().max().item()
-                run = batch.persistent(programs, tile_n, warps, stages, prefetch, block_m)
-                ms = graph_time_ms(run, REPS)
-            except Exception as e:  # noqa: BLE001 - a shape that does not fit shared memory
-                print(f"  {variant} prefetch={prefetch}: {e}"[:200], flush=True)
+            programs = max(1, round(report["sms"] * per_sm))
+            label = f"t{tile_n} w{warps} s{stages} m{block_m} prefetch={prefetch} G={programs}"
+            fields = {"tile_n": tile_n, "warps": warps, "stages": stages, "block_m": block_m,
+                      "prefetch": prefetch, "programs": programs}
+            once = functools.partial(launch, batch.out, q, cache0, table, seq_lens, programs,
+                                     tile_n, warps, stages, prefetch, block_m)
+            run = batch.persistent(programs, tile_n, warps, stages, prefetch, block_m)
+            if not _measure(batch, ref, report, label, fields, once, run):
                 break
-            gbps_per_sm = kv_bytes / (ms * 1e-3) / min(programs, sms) / 1e9
-            row = {"tile_n": tile_n, "warps": warps, "stages": stages, "block_m": block_m,
-                   "prefetch": prefetch, "programs": programs, "ms": ms, "max_err": err,
-                   "of_copy_bw": kv_bytes / (ms * 1e-3) / COPY_BANDWIDTH,
-                   "gb_s_per_busy_sm": gbps_per_sm}
-            report["variants"].append(row)
-            print(f"  t{tile_n} w{warps} s{stages} m{block_m} prefetch={prefetch} G={programs}: "
-                  f"{ms:.2f} ms "
-                  f"({row['of_copy_bw']:.2f} of copy bw, {gbps_per_sm:.0f} GB/s per busy SM, "
-                  f"err {err:.2g})", flush=True)
         (out_dir / "decode_depth_probe.json").write_text(json.dumps(report, indent=1))
 
 
@@ -126,12 +203,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--ir", action="store_true", help="print sm_90 buffer depths and stop")
+    parser.add_argument("--tma", action="store_true", help="the TMA kernel's variants instead")
     args = parser.parse_args()
     if args.ir:
-        print_ir_depths()
+        (print_tma_ir if args.tma else print_ir_depths)()
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    time_variants(args.out)
+    (time_tma if args.tma else time_variants)(args.out)
 
 
 if __name__ == "__main__":
