@@ -64,12 +64,14 @@ def full_sizes(capture_sizes: list[int], max_num_reqs: int, max_num_batched_toke
     return sorted((s for s in capture_sizes if s <= limit), reverse=True)
 
 
-def piecewise_sizes(capture_sizes: list[int], max_num_batched_tokens: int,
-                    usable_blocks: int, block_size: int) -> list[int]:
+def piecewise_sizes(capture_sizes: list[int], max_num_batched_tokens: int, max_num_reqs: int,
+                    max_model_len: int, usable_blocks: int, block_size: int) -> list[int]:
     """PIECEWISE capture sizes (of the PIECEWISE ladder and its exact sizes), largest first: a
-    size's prompts must fit the token budget and the blocks. Size 1 is left out: a one-token
-    step is a decode (FULL) unless it is a one-token prefill."""
-    limit = min(max_num_batched_tokens, usable_blocks * block_size)
+    size's prompts (``prompt_lens``) must fit the token budget, the request slots and the
+    blocks, as a real step's must. Size 1 is left out: a one-token step is a decode (FULL)
+    unless it is a one-token prefill."""
+    most_tokens = max_num_reqs * _longest_prompt(max_model_len, block_size)
+    limit = min(max_num_batched_tokens, most_tokens, usable_blocks * block_size)
     return sorted((s for s in capture_sizes if 2 <= s <= limit), reverse=True)
 
 
@@ -77,8 +79,13 @@ def prompt_lens(size: int, max_model_len: int, block_size: int) -> list[int]:
     """Prompts of at most ``max_model_len`` tokens (whole blocks but the last) that make
     ``size`` tokens: a PIECEWISE graph depends on the step's token count only (attention, where
     the requests show, runs between the pieces), so a size above the context still has one."""
-    longest = max_model_len // block_size * block_size or max_model_len
+    longest = _longest_prompt(max_model_len, block_size)
     return [longest] * (size // longest) + ([size % longest] if size % longest else [])
+
+
+def _longest_prompt(max_model_len: int, block_size: int) -> int:
+    """The context rounded down to whole blocks (the context itself if under one block)."""
+    return max_model_len // block_size * block_size or max_model_len
 
 
 def full_graph_estimate(samples: list[int], num_graphs: int) -> int:
@@ -143,7 +150,7 @@ def capture_piecewise(runner: ModelRunner) -> list[int]:
     pool, device, bs = _graph_pool(runner), runner.device, runner.block_size
     ladders = runner.capture_ladders
     sizes = piecewise_sizes(ladders.piecewise + ladders.exact, runner.max_num_batched_tokens,
-                            runner.num_blocks - 1, bs)
+                            runner.max_num_reqs, runner.max_model_len, runner.num_blocks - 1, bs)
     plans = {size: _plan(prompt_lens(size, runner.max_model_len, bs), bs) for size in sizes}
     start, before = time.perf_counter(), used_device_bytes(device)
     with pool.capture_phase(device):

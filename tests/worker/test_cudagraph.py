@@ -125,15 +125,20 @@ def test_full_sizes_fit_slots_tokens_and_blocks_largest_first() -> None:
     assert full_sizes(DENSE, 256, max_num_batched_tokens=3, usable_blocks=99) == [2, 1]
 
 
-def test_piecewise_sizes_skip_one_and_fit_budget_and_blocks() -> None:
-    sizes = piecewise_sizes(DENSE, 8192, usable_blocks=10_000, block_size=16)
+def test_piecewise_sizes_skip_one_and_fit_budget_slots_and_blocks() -> None:
+    sizes = piecewise_sizes(DENSE, 8192, 256, 4096, usable_blocks=10_000, block_size=16)
     assert sizes[0] == 512 and sizes[-1] == 2 and 1 not in sizes
     assert len(sizes) == len(DENSE) - 1
-    assert piecewise_sizes(DENSE, max_num_batched_tokens=20, usable_blocks=99,
-                           block_size=16) == [16, 8, 4, 2]
-    assert piecewise_sizes(DENSE, 8192, usable_blocks=2, block_size=16)[0] == 32
-    assert piecewise_sizes(SPARSE + [8192], 8192, usable_blocks=512, block_size=16) == [
-        8192, 512, 448, 384, 320, 256, 192, 128, 64, 32, 16, 8, 4, 2]
+    assert piecewise_sizes(DENSE, max_num_batched_tokens=20, max_num_reqs=256,
+                           max_model_len=4096, usable_blocks=99, block_size=16) == [16, 8, 4, 2]
+    assert piecewise_sizes(DENSE, 8192, 256, 4096, usable_blocks=2, block_size=16)[0] == 32
+    assert piecewise_sizes(SPARSE + [8192], 8192, 256, 4096, usable_blocks=512,
+                           block_size=16) == [8192, 512, 448, 384, 320, 256, 192, 128, 64, 32,
+                                              16, 8, 4, 2]
+    # Above the context a size needs several prompts, so several request slots: 2 x 100
+    # tokens (96 in whole blocks per prompt) reach 192, not 256.
+    assert piecewise_sizes(SPARSE, 8192, max_num_reqs=2, max_model_len=100, usable_blocks=99,
+                           block_size=16) == [192, 128, 64, 32, 16, 8, 4, 2]
 
 
 def test_a_size_above_the_context_is_captured_as_several_prompts() -> None:
@@ -150,7 +155,8 @@ def test_llama_8b_shape_capture_counts() -> None:
     """The 8B shape's defaults (max_num_seqs 256, max_num_batched_tokens 8192, context 8192):
     35 FULL graphs, and 13 PIECEWISE sizes (x 33 pieces = 429 graphs, down from 50 sizes)."""
     assert len(full_sizes(H200.full, 256, 8192, usable_blocks=100_000)) == 35
-    sizes = piecewise_sizes(H200.piecewise, 8192, usable_blocks=100_000, block_size=16)
+    sizes = piecewise_sizes(H200.piecewise, 8192, 256, 8192, usable_blocks=100_000,
+                            block_size=16)
     assert sizes == [512, 448, 384, 320, 256, 192, 128, 64, 32, 16, 8, 4, 2]
 
 
