@@ -4,8 +4,9 @@
 bf16 paged KV cache (block size 16, shuffled blocks: 50.3 GB), one query row per request.
 ``launch``: decode attention by a *persistent* kernel of G programs, each looping over
 (request, kv head) items, so it holds at most G SMs; its key loop loads the block ids in the
-iteration (as the engine's kernels do) or, with ``prefetch``, one tile ahead. Used by
-overlap_probe.py, partition_probe.py and decode_depth_probe.py.
+iteration (as the engine's kernels do) or, with ``prefetch``, one tile ahead;
+``persistent_tma``: the same loop with TMA copies of whole cache blocks (``decode_tma.py``).
+Used by overlap_probe.py, partition_probe.py and decode_depth_probe.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from decode_tma import cache_descriptors, launch_tma
 
 from pagedserve.kernels.attention_common import LOG2_E
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
@@ -42,6 +44,7 @@ class DecodeBatch:
         self.q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, dtype=dt, device=dev)
         self.out = torch.empty_like(self.q)  # [DECODE_BATCH, HEADS, HEAD_DIM]
         self.kv_bytes = LAYERS * DECODE_BATCH * DECODE_CONTEXT * KV_HEADS * HEAD_DIM * 2 * 2
+        self._descriptors: list | None = None  # TMA descriptors of the caches, on first use
 
     def persistent(self, programs: int, tile_n: int, warps: int, stages: int,
                    prefetch: bool, block_m: int = 16) -> Callable[[], None]:
@@ -50,6 +53,18 @@ class DecodeBatch:
             for cache in self.caches:
                 launch(self.out, self.q, cache, self.block_table, self.seq_lens, programs,
                        tile_n, warps, stages, prefetch, block_m)
+        return run
+
+    def persistent_tma(self, programs: int, warps: int, stages: int) -> Callable[[], None]:
+        """The 32 layers' attention by ``decode_tma.launch_tma`` (descriptors built once)."""
+        if self._descriptors is None:
+            self._descriptors = [cache_descriptors(cache) for cache in self.caches]
+        descriptors = self._descriptors
+
+        def run() -> None:
+            for cache, d in zip(self.caches, descriptors, strict=True):
+                launch_tma(self.out, self.q, cache, self.block_table, self.seq_lens, programs,
+                           warps, stages, d)
         return run
 
     def engine(self, splits: int) -> Callable[[], None]:

@@ -47,7 +47,7 @@ from decode_batch import (
     launch,
     persistent_decode_kernel,
 )
-from decode_tma import cache_descriptors, launch_tma, persistent_decode_tma_kernel
+from decode_tma import launch_tma, persistent_decode_tma_kernel
 
 REPS = 15
 # (tile_n, num_warps, num_stages, block_m) of the variants; 64 query rows (4 heads padded)
@@ -160,23 +160,14 @@ def _measure(batch: DecodeBatch, ref: torch.Tensor, report: dict, label: str, fi
 
 def time_tma(out_dir: Path) -> None:
     batch, ref, report = _setup()
-    q, table, seq_lens = batch.q, batch.block_table, batch.seq_lens
-    descs = [cache_descriptors(cache) for cache in batch.caches]  # host work, outside graphs
     for warps, stages in TMA_LAUNCHES:
         for per_sm in TMA_PER_SM:
             programs = max(1, round(report["sms"] * per_sm))
-
-            def launch_layer(i: int, programs=programs, warps=warps, stages=stages) -> None:  # noqa: ANN001
-                launch_tma(batch.out, q, batch.caches[i], table, seq_lens, programs, warps,
-                           stages, descs[i])
-
-            def run(launch_layer=launch_layer) -> None:  # noqa: ANN001
-                for i in range(len(batch.caches)):
-                    launch_layer(i)
-
+            once = functools.partial(launch_tma, batch.out, batch.q, batch.caches[0],
+                                     batch.block_table, batch.seq_lens, programs, warps, stages)
             fields = {"warps": warps, "stages": stages, "programs": programs}
             if not _measure(batch, ref, report, f"tma w{warps} s{stages} G={programs}", fields,
-                            lambda f=launch_layer: f(0), run):
+                            once, batch.persistent_tma(programs, warps, stages)):
                 break
         (out_dir / "decode_depth_probe_tma.json").write_text(json.dumps(report, indent=1))
 

@@ -17,7 +17,8 @@ Llama-3-8B shape, bf16, 32 layers:
   together: the GEMM chain (carveout c) on one stream and the attention (G programs) on
       another, both CUDA graphs, against one after the other (G = k x c programs for each k of
       ``--programs-per-sm``: can k programs on each SM the GEMMs leave read the KV at the
-      card's bandwidth?). The hidden fraction is
+      card's bandwidth?); ``--tma WARPS STAGES`` uses ``decode_tma.py``'s attention there. The
+      hidden fraction is
       (attention + gemm - together) / min(attention, gemm): 1 is a perfect overlap.
 Writes ``partition_probe.json``; what it means: BENCHMARKS.md, session 6.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -109,8 +111,9 @@ def pair_row(g_attn: torch.cuda.CUDAGraph, g_gemm: torch.cuda.CUDAGraph,
 
 
 def together_rows(decode: DecodeBatch, gemms: PrefillGemms, carveouts: list[int],
-                  launch: tuple[int, int, int], prefetch: bool, backend: str,
+                  attention: Callable[[int], Callable[[], None]], backend: str,
                   per_sm: list[int]) -> dict:
+    """``attention(G)``: the 32 layers' persistent attention with G programs."""
     torch.backends.cuda.preferred_blas_library(backend)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     # the engine's attention launch beside an un-carved GEMM chain: session 5's baseline
@@ -119,8 +122,8 @@ def together_rows(decode: DecodeBatch, gemms: PrefillGemms, carveouts: list[int]
     for c in carveouts:
         g_gemm = carved_graph(gemms.run, c)
         for programs in (k * c for k in per_sm):
-            rows[f"c{c}_g{programs}"] = pair_row(
-                capture_graph(decode.persistent(programs, *launch, prefetch)), g_gemm, streams)
+            rows[f"c{c}_g{programs}"] = pair_row(capture_graph(attention(programs)), g_gemm,
+                                                 streams)
     for name, r in rows.items():
         print(f"  together {backend} {name}: attention {r['attention_ms']:.2f} + gemm "
               f"{r['gemm_ms']:.2f}; together {r['together_ms']:.2f} (hidden {r['hidden']:.2f})",
@@ -144,6 +147,8 @@ def main() -> None:
     parser.add_argument("--skip-attention-sweep", action="store_true")
     parser.add_argument("--prefetch-ids", action="store_true",
                         help="the persistent attention loads the next tile's block ids ahead")
+    parser.add_argument("--tma", type=int, nargs=2, metavar=("WARPS", "STAGES"),
+                        help="in 'together': decode_tma.py's attention at this launch instead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -157,14 +162,19 @@ def main() -> None:
     if not args.skip_attention_sweep:
         report["attention"] = attention_rows(decode, sms, args.prefetch_ids)
         save()
+    def attention(programs: int) -> Callable[[], None]:
+        if args.tma:
+            return decode.persistent_tma(programs, *args.tma)
+        return decode.persistent(programs, *args.launch, args.prefetch_ids)
+
     for rows in args.rows:
         gemms = PrefillGemms(rows)
         report[f"gemm_p{rows}"] = gemm_rows(gemms, sms, args.carveouts)
         save()
         for backend in args.backends:
             report[f"together_p{rows}_{backend}"] = together_rows(
-                decode, gemms, [c for c in args.carveouts if c], tuple(args.launch),
-                args.prefetch_ids, backend, args.programs_per_sm)
+                decode, gemms, [c for c in args.carveouts if c], attention, backend,
+                args.programs_per_sm)
             save()
         del gemms
     print(f"done after {time.perf_counter() - t0:.1f} s", flush=True)
