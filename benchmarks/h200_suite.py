@@ -70,13 +70,16 @@ def main() -> None:
     parser.add_argument("--one-token-step", default=CompilationConfig.one_token_step,
                         choices=choices_of(CompilationConfig, "one_token_step"),
                         help="how the 8B engine runs batch-1 decode steps (engine option)")
+    parser.add_argument("--budget-step-graph", action="store_true",
+                        help="the 8B engine also captures its token budget's PIECEWISE graph")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite, work, wanted = Suite(out), Path(tempfile.mkdtemp()), args.sections.split(",")
     llama = ["--model", model_dir(work, "llama-3-8b.json"), *COMMON]
     engine = [*llama, "--gpu-memory-utilization", "0.6", "--max-num-seqs", "256",
-              "--one-token-step", args.one_token_step]
+              "--one-token-step", args.one_token_step,
+              *(["--budget-step-graph"] if args.budget_step_graph else [])]
 
     if "tiny" in wanted:
         suite.run("tiny.async_greedy_equal", tiny_check, work)

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how far below (1 - utilization) x card the free memory may go")
     parser.add_argument("--timeouts", default="130,90,60",
                         help="seconds for the cold, warm and eager subprocesses")
+    parser.add_argument("--budget-step-graph", action="store_true",
+                        help="engine option: also capture the token budget's PIECEWISE graph")
     parser.add_argument("--child", choices=["fast", "eager"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
@@ -195,7 +197,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model_dir, load_format="dummy", dtype="bfloat16",
               skip_tokenizer_init=True, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.child == "eager")
+              enforce_eager=args.child == "eager", budget_step_graph=args.budget_step_graph)
     ready_s = time.perf_counter() - _T0
     runner = llm.engine_core.model_runner
     free_after_start, total = torch.cuda.mem_get_info()
@@ -280,7 +282,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     env.update(XDG_CACHE_HOME=str(work / "xdg"), TRITON_CACHE_DIR=str(work / "triton"))
     common = ["--model-dir", str(model_dir), "--prompts-file", str(work / "prompts.json"),
               "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-              "--max-model-len", str(args.max_model_len), "--num-tokens", str(args.num_tokens)]
+              "--max-model-len", str(args.max_model_len), "--num-tokens", str(args.num_tokens),
+              *(["--budget-step-graph"] if args.budget_step_graph else [])]
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "child"}}
     for name, mode in (("cold", "fast"), ("warm", "fast"), ("eager", "eager")):
         report[name] = _run_subprocess(name, ["--child", mode, *common], env,
