@@ -55,7 +55,8 @@ class DecodeBatch:
                        tile_n, warps, stages, prefetch, block_m)
         return run
 
-    def persistent_tma(self, programs: int, warps: int, stages: int) -> Callable[[], None]:
+    def persistent_tma(self, programs: int, warps: int, stages: int,
+                       blocks_per_iter: int) -> Callable[[], None]:
         """The 32 layers' attention by ``decode_tma.launch_tma`` (descriptors built once)."""
         if self._descriptors is None:
             self._descriptors = [cache_descriptors(cache) for cache in self.caches]
@@ -64,7 +65,7 @@ class DecodeBatch:
         def run() -> None:
             for cache, d in zip(self.caches, descriptors, strict=True):
                 launch_tma(self.out, self.q, cache, self.block_table, self.seq_lens, programs,
-                           warps, stages, d)
+                           warps, stages, blocks_per_iter, d)
         return run
 
     def engine(self, splits: int) -> Callable[[], None]:

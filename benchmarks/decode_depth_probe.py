@@ -21,8 +21,8 @@ variant's shared memory and K/V buffer depth from the sm_90 compile (no GPU need
 ships ptxas). Writes ``decode_depth_probe.json``.
 
 ``--tma`` times ``decode_tma.py``'s kernel instead (each cache block's K and V as TMA copies,
-``stages - 1`` blocks in flight per program; sm_90 compile: 7 blocks deep, 62 KB of shared
-memory at 8 stages) at 1/3 .. 3 programs per SM, and writes ``decode_depth_probe_tma.json``;
+``(stages - 1) x blocks per iteration`` blocks in flight per program; sm_90 compile: 7 deep,
+62 KB of shared memory at 8 stages and one block per iteration) at 1/3 .. 3 programs per SM, and writes ``decode_depth_probe_tma.json``;
 with ``--ir``, its sm_90 buffer depths and TMA copy counts.
 """
 
@@ -86,7 +86,8 @@ def print_ir_depths() -> None:
               f"{kernel.metadata.shared} B, buffers (depth x rows x cols) {depths}", flush=True)
 
 
-TMA_LAUNCHES = [(4, 4), (4, 6), (4, 8), (8, 8)]  # (num_warps, num_stages)
+# (num_warps, num_stages, cache blocks per iteration)
+TMA_LAUNCHES = [(4, 4, 1), (4, 6, 1), (4, 8, 1), (8, 8, 1), (4, 3, 2), (4, 4, 2), (4, 3, 4)]
 TMA_PER_SM = (1 / 3, 2 / 3, 1, 2, 3)
 
 
@@ -98,22 +99,25 @@ def print_tma_ir() -> None:
     fn = persistent_decode_tma_kernel
     names = [p.name for p in fn.params]
     constexprs = dict(KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
-                      BLOCK_SIZE=BLOCK, BLOCK_M=16)
+                      BLOCK_SIZE=BLOCK, BLOCK_M=16, BLOCKS_PER_ITER=1)
     sig = {n: "constexpr" if n in constexprs else "*bf16" if n.endswith("_ptr") else "i32"
            for n in names}
     desc = f"tensordesc<bf16[{BLOCK}, {HEAD_DIM}]>"
     sig.update(block_table_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", k_desc=desc,
                v_desc=desc)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
-    for warps, stages in TMA_LAUNCHES:
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+    for warps, stages, blocks in TMA_LAUNCHES:
+        kernel = triton.compile(ASTSource(fn, sig, constexprs={**constexprs,
+                                                               "BLOCKS_PER_ITER": blocks},
+                                          attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps, num_stages=stages))
-        depths = sorted(set(re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x16x",
-                                       kernel.asm["ttgir"])))
+        depths = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x16x",
+                            kernel.asm["ttgir"])
         copies = kernel.asm["ptx"].count("cp.async.bulk.tensor")
-        print(f"tma w{warps} s{stages}: shared {kernel.metadata.shared} B, K/V buffer depth "
-              f"{depths}, TMA copy instructions {copies}", flush=True)
+        print(f"tma w{warps} s{stages} b{blocks}: shared {kernel.metadata.shared} B, K/V "
+              f"buffers {len(depths)} of depth {sorted(set(depths))}, TMA copy instructions "
+              f"{copies}", flush=True)
 
 
 def _setup() -> tuple[DecodeBatch, torch.Tensor, dict]:
@@ -160,14 +164,17 @@ def _measure(batch: DecodeBatch, ref: torch.Tensor, report: dict, label: str, fi
 
 def time_tma(out_dir: Path) -> None:
     batch, ref, report = _setup()
-    for warps, stages in TMA_LAUNCHES:
+    for warps, stages, blocks in TMA_LAUNCHES:
         for per_sm in TMA_PER_SM:
             programs = max(1, round(report["sms"] * per_sm))
             once = functools.partial(launch_tma, batch.out, batch.q, batch.caches[0],
-                                     batch.block_table, batch.seq_lens, programs, warps, stages)
-            fields = {"warps": warps, "stages": stages, "programs": programs}
-            if not _measure(batch, ref, report, f"tma w{warps} s{stages} G={programs}", fields,
-                            once, batch.persistent_tma(programs, warps, stages)):
+                                     batch.block_table, batch.seq_lens, programs, warps, stages,
+                                     blocks)
+            fields = {"warps": warps, "stages": stages, "blocks_per_iter": blocks,
+                      "programs": programs}
+            label = f"tma w{warps} s{stages} b{blocks} G={programs}"
+            if not _measure(batch, ref, report, label, fields, once,
+                            batch.persistent_tma(programs, warps, stages, blocks)):
                 break
         (out_dir / "decode_depth_probe_tma.json").write_text(json.dumps(report, indent=1))
 

@@ -4,12 +4,12 @@ The question it answers for target 3 (BENCHMARKS.md, sessions 6-8): can one SM r
 at ~100 GB/s, so that a third of the SMs read it at the card's bandwidth while the GEMMs hold the
 rest? ``decode_batch.py``'s kernel gathers each K/V tile with per-thread loads and reads at most
 ~32 GB/s per program at any depth or warp count. Here each (request, kv head) item walks its
-cache blocks one per iteration: the block id of the *next* iteration is loaded ahead (a
-loop-carried scalar), and the block's 16 keys x 128 dims of K and of V arrive as two 4 KB
-``TensorDescriptor`` loads, which Triton's pipeliner keeps ``num_stages - 1`` iterations ahead on
-Hopper (one thread issues each copy; the bytes land in shared memory without the warps' load
-instructions). So a program keeps ~(stages - 1) x 8 KB in flight, and several programs share an
-SM.
+cache blocks, ``BLOCKS_PER_ITER`` per iteration (unrolled, one online-softmax update per block):
+the block ids of the *next* iteration are loaded ahead (loop-carried), and each block's 16 keys
+x 128 dims of K and of V arrive as two 4 KB ``TensorDescriptor`` loads, which Triton's pipeliner
+keeps ``num_stages - 1`` iterations ahead on Hopper (one thread issues each copy; the bytes land
+in shared memory without the warps' load instructions). So a program keeps ~(stages - 1) x
+BLOCKS_PER_ITER x 8 KB in flight, and several programs share an SM.
 
 A partial last block masks its scores; its unused rows are read (finite in this probe's cache,
 whose every slot is written; the engine's cache can hold garbage there, so an engine version
@@ -43,8 +43,10 @@ def persistent_decode_tma_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # q heads of one kv head, padded to 16 for tl.dot
+    BLOCKS_PER_ITER: tl.constexpr,  # cache blocks per loop iteration (unrolled)
 ):
     offs_m = tl.arange(0, BLOCK_M)
+    offs_b = tl.arange(0, BLOCKS_PER_ITER)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_SIZE)
     row_mask = offs_m < GROUP
@@ -61,21 +63,25 @@ def persistent_decode_tma_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         col = kv_head * HEAD_DIM
-        block_id = tl.load(bt_row)
-        for b in range(0, num_blocks):
-            row = block_id * BLOCK_SIZE
-            block_id = tl.load(bt_row + tl.minimum(b + 1, num_blocks - 1))  # next iteration's
-            k = k_desc.load([row, col])  # [BLOCK_SIZE, HEAD_DIM]
-            key_mask = b * BLOCK_SIZE + offs_n < seq_len
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(key_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = v_desc.load([row, col])  # [BLOCK_SIZE, HEAD_DIM]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        ids = tl.load(bt_row + offs_b, mask=offs_b < num_blocks, other=0)
+        for it in range(0, tl.cdiv(num_blocks, BLOCKS_PER_ITER)):
+            current = ids
+            nxt = (it + 1) * BLOCKS_PER_ITER + offs_b
+            ids = tl.load(bt_row + nxt, mask=nxt < num_blocks, other=0)  # next iteration's
+            for j in tl.static_range(BLOCKS_PER_ITER):
+                row = tl.sum(tl.where(offs_b == j, current, 0)) * BLOCK_SIZE
+                k = k_desc.load([row, col])  # [BLOCK_SIZE, HEAD_DIM]
+                # A block past the request's last (id 0, the null block) is all masked.
+                key_mask = (it * BLOCKS_PER_ITER + j) * BLOCK_SIZE + offs_n < seq_len
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                s = tl.where(key_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp2(s - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = v_desc.load([row, col])  # [BLOCK_SIZE, HEAD_DIM]
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
         tl.store(out_ptr + off, acc / l_i[:, None], mask=row_mask[:, None])
 
 
@@ -91,8 +97,8 @@ def cache_descriptors(cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDesc
 
 def launch_tma(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, programs: int, warps: int,
-               stages: int, descriptors: tuple[TensorDescriptor, TensorDescriptor] | None = None,
-               ) -> None:
+               stages: int, blocks_per_iter: int = 1,
+               descriptors: tuple[TensorDescriptor, TensorDescriptor] | None = None) -> None:
     """``persistent_decode_tma_kernel`` with ``programs`` programs: q and out
     [num_reqs, heads, head_dim]; ``descriptors`` from ``cache_descriptors(cache)`` (built here
     if not given: the host work of a launch)."""
@@ -102,6 +108,6 @@ def launch_tma(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
     persistent_decode_tma_kernel[(min(programs, num_items),)](
         out, q, k_desc, v_desc, block_table, seq_lens, num_items, head_dim**-0.5 * LOG2_E,
         block_table.stride(0), KV_HEADS=kv_heads, GROUP=q.shape[1] // kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=16, num_warps=warps,
-        num_stages=stages,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=16, BLOCKS_PER_ITER=blocks_per_iter,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip

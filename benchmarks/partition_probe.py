@@ -17,9 +17,9 @@ Llama-3-8B shape, bf16, 32 layers:
   together: the GEMM chain (carveout c) on one stream and the attention (G programs) on
       another, both CUDA graphs, against one after the other (G = k x c programs for each k of
       ``--programs-per-sm``: can k programs on each SM the GEMMs leave read the KV at the
-      card's bandwidth?); ``--tma WARPS STAGES`` uses ``decode_tma.py``'s attention there. The
-      hidden fraction is
-      (attention + gemm - together) / min(attention, gemm): 1 is a perfect overlap.
+      card's bandwidth?); ``--tma WARPS STAGES BLOCKS`` uses ``decode_tma.py``'s attention
+      there. The hidden fraction is (attention + gemm - together) / min(attention, gemm): 1 is
+      a perfect overlap.
 Writes ``partition_probe.json``; what it means: BENCHMARKS.md, session 6.
 """
 
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--skip-attention-sweep", action="store_true")
     parser.add_argument("--prefetch-ids", action="store_true",
                         help="the persistent attention loads the next tile's block ids ahead")
-    parser.add_argument("--tma", type=int, nargs=2, metavar=("WARPS", "STAGES"),
+    parser.add_argument("--tma", type=int, nargs=3, metavar=("WARPS", "STAGES", "BLOCKS"),
                         help="in 'together': decode_tma.py's attention at this launch instead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
