@@ -109,7 +109,7 @@ class EngineCore:
         )
         # What start-up built lives as long as the engine: out of the collector's walks, so that
         # no full collection stalls a step later (``gc_heap``).
-        freeze_startup_heap()
+        freeze_startup_heap(self)
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
             time.perf_counter() - start,

@@ -13,19 +13,27 @@ permanent generation that no collection visits; vLLM's engine core does the same
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def freeze_startup_heap() -> None:
-    """Collect once, then freeze what is left: the engine's whole start-up heap.
+def freeze_startup_heap(owner: object) -> None:
+    """Collect once, then freeze what is left: the engine's whole start-up heap, until
+    ``owner`` (the engine) is gone.
 
     The collection first, so that no start-up garbage (compile-time graphs, warm-up tensors in
     reference cycles: host memory, and card memory where a cycle holds a tensor) is frozen for
-    the life of the process; it walks the heap once, ~0.2 s per 500k objects.
+    the life of the process; it walks the heap once, ~0.2 s per 500k objects. A frozen object is
+    still freed when its last reference goes, but a frozen reference cycle never is: when the
+    engine is dropped (a notebook or a test building a new one), everything is unfrozen, so
+    that the next collection can free whatever cycles the old engine left, card memory
+    included. (Another engine alive in the same process is then walked again until it is
+    frozen anew: one engine per process is the case this serves.)
     """
     gc.collect()
     gc.freeze()
+    weakref.finalize(owner, gc.unfreeze)
 
 
 @contextmanager

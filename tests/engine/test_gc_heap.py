@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -63,10 +64,29 @@ def test_the_engine_collects_start_up_garbage_before_freezing(unfrozen, checkpoi
 
     garbage = Cycle()
     garbage.me = garbage  # a reference cycle: only the collector frees it
-    probe = __import__("weakref").ref(garbage)
+    probe = weakref.ref(garbage)
     gc.disable()  # as under the CLI's start-up pause: only the engine's own collection runs
     del garbage
     folder, _, _ = checkpoints("llama")
     LLM(model=str(folder), dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
         max_num_seqs=2, skip_tokenizer_init=True)
     assert probe() is None
+
+
+def test_dropping_the_engine_unfreezes_so_its_cycles_can_be_freed(unfrozen, checkpoints):
+    class Cycle:
+        pass
+
+    folder, _, _ = checkpoints("llama")
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
+              max_num_seqs=2, skip_tokenizer_init=True)
+    cycle = Cycle()
+    cycle.me = cycle  # a reference cycle held by the engine, frozen as start-up's would be
+    llm.engine_core.leftover = cycle
+    gc.freeze()
+    probe = weakref.ref(cycle)
+    del cycle
+    del llm
+    assert gc.get_freeze_count() == 0  # the engine went by refcounting: everything unfrozen
+    gc.collect()
+    assert probe() is None  # a frozen cycle would have stayed
