@@ -52,3 +52,22 @@ def test_warm_up_is_a_no_op_on_the_cpu(make_runner: RunnerFactory) -> None:
     runner.execute_model = calls.append
     runner.warm_up()
     assert calls == []
+
+
+def test_an_engine_samples_the_same_tokens_after_a_warm_up(tiny_llama_dir) -> None:  # noqa: ANN001
+    """Unseeded sampling (seeds drawn from the engine's stream) is unchanged by a warm-up run
+    between start-up and the first request (on CUDA it runs at every start-up)."""
+    from pagedserve import LLM, SamplingParams
+
+    def engine() -> LLM:
+        return LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                   num_gpu_blocks_override=200, max_num_seqs=8, max_num_batched_tokens=256,
+                   skip_tokenizer_init=True, seed=3)
+
+    prompts = [[1 + (i * 7 + j) % 90 for j in range(10 + 5 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in engine().generate(prompts, params, use_tqdm=False)]
+    warmed = engine()
+    warm_caching_allocator(warmed.engine_core.model_runner)
+    outputs = warmed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
