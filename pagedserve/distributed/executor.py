@@ -121,6 +121,7 @@ class WorkerGroupExecutor(Executor):
     def warm_up(self) -> None:
         self._collect("warm_up")
 
+
 def select_backend(config: EngineConfig) -> str:
     """The executor backend ``config`` asks for (``uni`` / ``mp`` / ``ray``), checked."""
     parallel = config.parallel
