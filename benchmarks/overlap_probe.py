@@ -16,7 +16,8 @@ replays; with each stream's priority as given). With ``--green N ...`` instead: 
 CUDA green context of N SMs (graph replayed there, and launched eagerly there) beside D on the
 whole card. With ``--partition C:G ...`` also: P's GEMMs on cuBLASLt told to leave C SMs free
 and D's attention by a persistent kernel of G programs (decode_batch.py), at once on two
-streams: the engine step an SM partition would run, against "joint". Writes
+streams: the engine step an SM partition would run, against "joint" (``--partition-tma W S B``:
+D's attention by decode_tma.py's kernel instead). Writes
 ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, sessions 5 and 6.
 """
 
@@ -43,11 +44,14 @@ from decode_batch import (
     DecodeBatch,
 )
 from decode_batch import launch as persistent_decode
+from decode_tma import cache_descriptors, launch_tma
 from graph_timing import capture_graph, carved_graph, median_ms
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 
 REPS = 15  # graph replays per timing (median)
+LayerLaunch = Callable[[torch.Tensor, torch.Tensor, int], None]
+"""(out, q [DECODE_BATCH, HEADS, HEAD_DIM], layer) -> None: one layer's decode attention."""
 
 
 def layer_weights() -> list[tuple[torch.Tensor, ...]]:
@@ -94,20 +98,30 @@ class Stack:
     def branch(self, x: torch.Tensor, meta: dict) -> Callable[[], torch.Tensor]:
         return self.chain(x, lambda qkv, layer: self.attention(qkv, layer, meta))
 
-    def persistent_branch(self, x: torch.Tensor, programs: int,
-                          launch_shape: tuple[int, int, int], prefetch_ids: bool):
-        """The decode batch with its attention by ``decode_batch.launch``'s persistent kernel of
-        ``programs`` programs (so it holds at most that many SMs)."""
-        decode = self.decode
-
+    def persistent_branch(self, x: torch.Tensor, launch_layer: LayerLaunch):
+        """The decode batch with its attention by a persistent kernel: ``launch_layer(out, q,
+        layer)`` (G programs, so it holds at most G SMs)."""
         def attend(qkv: torch.Tensor, layer: int) -> torch.Tensor:
             m = qkv.shape[0]
             q = qkv[:, : HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM).contiguous()
             out = torch.empty_like(q)  # [m, HEADS, HEAD_DIM]
-            persistent_decode(out, q, self.caches[layer], decode.block_table, decode.seq_lens,
-                              programs, *launch_shape, prefetch_ids)
+            launch_layer(out, q, layer)
             return out.view(m, HEADS * HEAD_DIM)
         return self.chain(x, attend)
+
+    def persistent_launch(self, programs: int, args: argparse.Namespace) -> LayerLaunch:
+        """The persistent decode attention ``args`` ask for, with ``programs`` programs:
+        ``decode_tma.py``'s with ``--partition-tma``, else ``decode_batch.launch``'s."""
+        decode, caches = self.decode, self.caches
+        if args.partition_tma:
+            warps, stages, blocks = args.partition_tma
+            descriptors = [cache_descriptors(cache) for cache in caches]
+            return lambda out, q, layer: launch_tma(
+                out, q, caches[layer], decode.block_table, decode.seq_lens, programs, warps,
+                stages, blocks, descriptors[layer])
+        return lambda out, q, layer: persistent_decode(
+            out, q, caches[layer], decode.block_table, decode.seq_lens, programs,
+            *args.partition_launch, args.prefetch_ids)
 
     def chain(self, x: torch.Tensor, attend: Callable[[torch.Tensor, int], torch.Tensor]):
         def run() -> torch.Tensor:
@@ -176,7 +190,7 @@ def green_rows(stack: Stack, g_decode, tokens: int, splits: list[int]) -> dict:
 
 
 def partition_rows(stack: Stack, x_decode: torch.Tensor, tokens: int, pairs: list[str],
-                   launch_shape: tuple[int, int, int], prefetch_ids: bool) -> dict:
+                   args: argparse.Namespace) -> dict:
     """For each "C:G": the prefill chunk's GEMMs on cuBLASLt told to leave C SMs (carveout),
     the decode batch's attention by a persistent kernel of G programs; each alone, then both
     at once on two streams."""
@@ -188,8 +202,8 @@ def partition_rows(stack: Stack, x_decode: torch.Tensor, tokens: int, pairs: lis
     for pair in pairs:
         carveout, programs = (int(v) for v in pair.split(":"))
         g_p = carved_graph(stack.branch(x_p, meta), carveout)
-        g_d = capture_graph(stack.persistent_branch(x_decode, programs, launch_shape,
-                                                    prefetch_ids))
+        g_d = capture_graph(stack.persistent_branch(x_decode,
+                                                    stack.persistent_launch(programs, args)))
         row = {"decode_ms": median_ms(g_d.replay, REPS), "prefill_ms": median_ms(g_p.replay, REPS),
                "together_ms": median_ms(concurrently([g_d, g_p], streams), REPS)}
         rows[pair] = row
@@ -228,6 +242,8 @@ def main() -> None:
                         metavar=("TILE_N", "WARPS", "STAGES"))
     parser.add_argument("--prefetch-ids", action="store_true",
                         help="the persistent attention loads the next tile's block ids ahead")
+    parser.add_argument("--partition-tma", type=int, nargs=3, metavar=("WARPS", "STAGES", "BLOCKS"),
+                        help="the persistent attention of decode_tma.py at this launch instead")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -263,8 +279,7 @@ def main() -> None:
         }
         print(f"P={tokens}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         if args.partition:
-            row["partition"] = partition_rows(stack, x_decode, tokens, args.partition,
-                                              tuple(args.partition_launch), args.prefetch_ids)
+            row["partition"] = partition_rows(stack, x_decode, tokens, args.partition, args)
         report["prefill"][tokens] = row
         (args.out / "overlap_probe.json").write_text(json.dumps(report, indent=1))
 
