@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
-WARM_UP_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20, seed=0)
+WARM_UP_SAMPLING = replace(PROFILE_SAMPLING, seed=0)
 """The profile's sampling with a seed of its own: the engine's seed stream does not move."""
 
 
@@ -105,10 +105,11 @@ def warm_caching_allocator(runner: ModelRunner) -> None:
     """Run the profile step once more, on the real KV cache, after start-up's last
     ``empty_cache``: the caching allocator then holds blocks of the largest step's sizes
     (activations, the [rows, vocab] logits, the sampler's temporaries), so that a step never
-    waits for a ``cudaMalloc``, which synchronizes the whole device. (Measured on the H200:
-    steps whose sampled rows first outgrew the cached blocks waited 16-36 ms in
-    ``logits+sampler``, the GPU's whole queue, during a 256-prompt burst. vLLM's worker runs a
-    dummy sampler after its graph capture for the same reason.) Its requests are seeded, so
+    waits for a ``cudaMalloc``, which synchronizes the whole device. (Seen on the H200: three
+    steps of a 256-prompt burst waited 16-36 ms in ``logits+sampler``, the GPU's whole queue;
+    they sampled more rows than any step before them, so new blocks are the likely cause. vLLM's
+    worker runs a dummy sampler after its graph capture for the same reason.) Its requests are
+    seeded, so
     the engine's seed stream does not move; its KV writes land in free blocks, which every
     request overwrites before reading."""
     step = profile_step(runner.max_num_batched_tokens, runner.max_num_reqs,
