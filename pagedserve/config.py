@@ -198,7 +198,7 @@ class CompilationConfig:
     """Also capture a PIECEWISE graph of exactly ``max_num_batched_tokens`` tokens, replayed by
     the steps that fill the token budget (every step of a burst of prompts) and by no other:
     nothing pads into it. For small models, whose full-budget steps are bound by the host
-    launching each kernel (Qwen3-0.6B on an H200: 27-62 ms of launches against ~19 ms of GPU
+    launching each kernel (Qwen3-0.6B on an H200: 26-78 ms of launches against ~19 ms of GPU
     work per 8,192-token step); it holds one such step's activations off the KV cache."""
 
     def __post_init__(self) -> None:
