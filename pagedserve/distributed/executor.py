@@ -76,10 +76,6 @@ class Executor(ABC):
         """Capture CUDA graphs on every rank (a no-op on the CPU or with enforce_eager)."""
 
     @abstractmethod
-    def warm_up(self) -> None:
-        """The last start-up phase on every rank: ``ModelRunner.warm_up``."""
-
-    @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run one step on every rank (always called, even with no tokens: it frees slots)."""
 
@@ -117,9 +113,6 @@ class WorkerGroupExecutor(Executor):
 
     def capture_graphs(self) -> None:
         self._collect("capture_graphs")
-
-    def warm_up(self) -> None:
-        self._collect("warm_up")
 
 
 def select_backend(config: EngineConfig) -> str:

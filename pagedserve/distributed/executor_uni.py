@@ -39,9 +39,6 @@ class UniprocExecutor(Executor):
     def capture_graphs(self) -> None:
         self._runner.capture_graphs()
 
-    def warm_up(self) -> None:
-        self._runner.warm_up()
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._runner.execute_model(scheduler_output)
 

@@ -36,8 +36,7 @@ from pagedserve.worker.model_runner import ModelRunner
 
 STEP = "execute_step"
 SHUTDOWN = "shutdown"
-CALLS = ("load_model", "determine_num_blocks", "initialize_kv_cache", "capture_graphs", "warm_up",
-         STEP)
+CALLS = ("load_model", "determine_num_blocks", "initialize_kv_cache", "capture_graphs", STEP)
 """The methods a driver may call on a worker (besides SHUTDOWN)."""
 
 
@@ -98,9 +97,6 @@ class Worker:
 
     def capture_graphs(self) -> None:
         self.model_runner.capture_graphs()
-
-    def warm_up(self) -> None:
-        self.model_runner.warm_up()
 
     def launch_step(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
         """Queue the step's work on the device; None when no tokens were scheduled."""

@@ -98,8 +98,6 @@ class EngineCore:
             self.executor.initialize_kv_cache(num_blocks)
         with _timed("capture CUDA graphs"):
             self.executor.capture_graphs()  # a no-op on the CPU or with enforce_eager
-        with _timed("warm up"):
-            self.executor.warm_up()  # a no-op on the CPU
         self.num_blocks = num_blocks
         model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
         self.config = dataclasses.replace(self.config, model=model)

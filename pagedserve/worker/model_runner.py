@@ -49,7 +49,7 @@ from pagedserve.worker.input_batch import (
     stage_batch,
 )
 from pagedserve.worker.ops import select_input_prep_ops
-from pagedserve.worker.profile import profile_memory, warm_caching_allocator
+from pagedserve.worker.profile import profile_memory
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
@@ -167,12 +167,6 @@ class ModelRunner:
         if not self.config.compilation.uses_cuda_graphs(self.device.type):
             return {}
         return capture_graphs(self)
-
-    def warm_up(self) -> None:
-        """The last start-up phase: on CUDA, the caching allocator keeps the largest step's
-        memory (``profile.warm_caching_allocator``); nothing to do on the CPU."""
-        if self.device.type == "cuda":
-            warm_caching_allocator(self)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache

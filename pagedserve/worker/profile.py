@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20)
-WARM_UP_SAMPLING = replace(PROFILE_SAMPLING, seed=0)
-"""The profile's sampling with a seed of its own: the engine's seed stream does not move."""
 
 
 @dataclass
@@ -51,8 +49,7 @@ class ProfileStep:
 
 
 def profile_step(
-    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-    sampling_params: SamplingParams = PROFILE_SAMPLING,
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
 ) -> ProfileStep:
     num_reqs = min(max_num_seqs, max_num_batched_tokens)
     num_tokens = min(max_num_batched_tokens, num_reqs * max_model_len)
@@ -67,7 +64,7 @@ def profile_step(
             req_id=req_id,
             prefill_token_ids=[0] * query_len,
             num_prompt_tokens=query_len,
-            sampling_params=sampling_params,
+            sampling_params=PROFILE_SAMPLING,
             block_ids=(list(range(next_block, next_block + n)),),
             num_computed_tokens=0,
         ))
@@ -99,28 +96,6 @@ def _activation_peak(runner: ModelRunner, step: ProfileStep) -> int:
               f"{step.run.total_num_scheduled_tokens} tokens, peak {peak / 2**30:.2f} GiB",
               tokens=step.run.total_num_scheduled_tokens, activation_bytes=peak)
     return peak
-
-
-def warm_caching_allocator(runner: ModelRunner) -> None:
-    """Run the profile step once more, on the real KV cache, after start-up's last
-    ``empty_cache``: the caching allocator then holds blocks of the largest step's sizes
-    (activations, the [rows, vocab] logits, the sampler's temporaries), so that a step never
-    waits for a ``cudaMalloc``, which synchronizes the whole device. (Seen on the H200: three
-    steps of a 256-prompt burst waited 16-36 ms in ``logits+sampler``, the GPU's whole queue;
-    they sampled more rows than any step before them, so new blocks are the likely cause. vLLM's
-    worker runs a dummy sampler after its graph capture for the same reason.) Its requests are
-    seeded, so
-    the engine's seed stream does not move; its KV writes land in free blocks, which every
-    request overwrites before reading."""
-    step = profile_step(runner.max_num_batched_tokens, runner.max_num_reqs,
-                        runner.max_model_len, runner.block_size, WARM_UP_SAMPLING)
-    if step.num_blocks > runner.num_blocks:
-        return  # a cache smaller than the largest step: it cannot run (nor will the scheduler)
-    start = time.perf_counter()
-    run_profile_step(runner, step)
-    log_phase(logger, "warm up", time.perf_counter() - start,
-              f"{step.run.total_num_scheduled_tokens} tokens, {len(step.run.scheduled_new_reqs)} "
-              f"sampled rows", tokens=step.run.total_num_scheduled_tokens)
 
 
 def profile_memory(runner: ModelRunner) -> MemoryProfile:
