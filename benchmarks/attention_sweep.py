@@ -13,6 +13,10 @@ per second against the card's copy bandwidth. Prefill: the varlen kernel with qu
 and 128 rows, as causal attention FLOPs per second against the bf16 matmul peak. Each: median
 of 15 replays of a CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
 shape per scenario).
+
+``--variants tma --block-size 64`` (or 128) times, on decode scenarios, the engine's split-KV
+launch against ``decode_tma.py``'s kernel (whole cache blocks as TMA copies) at 1, 2 and 3
+programs per SM and at one program per (request, kv head) pair.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from decode_tma import cache_descriptors, launch_tma
 from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, graph_time_ms
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
@@ -41,7 +46,8 @@ def graph_us(fn, launches: int = 10, reps: int = 15) -> float:
     return graph_time_ms(lambda: [fn() for _ in range(launches)], reps) * 1e3 / launches
 
 
-def paged_batch(num_reqs: int, query_len: int, context, dev: str = "cuda") -> dict:
+def paged_batch(num_reqs: int, query_len: int, context, block_size: int = BLOCK,
+                dev: str = "cuda") -> dict:
     """``num_reqs`` requests of ``query_len`` new tokens each at ``context`` tokens (the new
     ones included; a (low, high) pair: uniform in it), random keys and values in shuffled
     cache blocks."""
@@ -49,14 +55,14 @@ def paged_batch(num_reqs: int, query_len: int, context, dev: str = "cuda") -> di
         seq_lens = torch.randint(context[0], context[1] + 1, (num_reqs,), device=dev)
     else:
         seq_lens = torch.full((num_reqs,), context, device=dev)
-    blocks_per_req = -(-int(seq_lens.max()) // BLOCK)
+    blocks_per_req = -(-int(seq_lens.max()) // block_size)
     num_blocks = num_reqs * blocks_per_req + 1
     table = (torch.randperm(num_blocks - 1, device=dev) + 1).view(num_reqs, blocks_per_req)
     num_tokens = num_reqs * query_len
     return dict(
         query=torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
-        kv_cache=torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16,
-                             device=dev),
+        kv_cache=torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM,
+                             dtype=torch.bfloat16, device=dev),
         block_table=table.to(torch.int32),
         query_start_loc=torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32,
                                      device=dev),
@@ -86,6 +92,31 @@ class Variant:
 
     def row(self) -> dict:
         return {"splits": self.splits, "launch": self.launch.__dict__}
+
+
+@dataclass(frozen=True)
+class TmaVariant:
+    """decode_tma.py's kernel (4 warps, 3 stages, one cache block per iteration) with
+    ``per_sm`` programs per SM (0: one per (request, kv head) pair)."""
+
+    per_sm: int
+
+    def runner(self, b: dict):
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        programs = self.per_sm * sms or b["num_reqs"] * KV_HEADS
+        descriptors = cache_descriptors(b["kv_cache"])
+        return lambda: launch_tma(b["output"], b["query"], b["kv_cache"], b["block_table"],
+                                  b["seq_lens"], programs, 4, 3, 1, descriptors)
+
+    def row(self) -> dict:
+        return {"splits": 1, "launch": {"tma_programs_per_sm": self.per_sm or "per pair"}}
+
+
+def tma_variants() -> list:
+    """The engine's split-KV launch for large decode batches against the TMA kernel."""
+    from pagedserve.attention.backends.triton import SPLIT_KV_LAUNCH
+
+    return [Variant(1, SPLIT_KV_LAUNCH), *(TmaVariant(n) for n in (1, 2, 3, 0))]
 
 
 def decode_variants() -> list[Variant]:
@@ -137,6 +168,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scenarios", default=",".join([*DECODE, *PREFILL]))
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size")
+    parser.add_argument("--variants", choices=["all", "tma"], default="all",
+                        help="decode: every launch shape, or split-KV against the TMA kernel")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -144,12 +178,14 @@ def main() -> None:
     for name in args.scenarios.split(","):
         if name in DECODE:  # bandwidth-bound: KV bytes read against the copy bandwidth
             num_reqs, context = DECODE[name]
-            b = paged_batch(num_reqs, 1, context)
+            b = paged_batch(num_reqs, 1, context, args.block_size)
             work, ceiling, variants = (int(b["seq_lens"].sum()) * KV_HEADS * HEAD_DIM * 2 * 2,
-                                       COPY_BANDWIDTH, decode_variants())
+                                       COPY_BANDWIDTH,
+                                       tma_variants() if args.variants == "tma" else
+                                       decode_variants())
         else:  # compute-bound: causal QK^T and PV FLOPs against the matmul peak
             num_reqs, context = PREFILL[name]
-            b = paged_batch(num_reqs, context, context)
+            b = paged_batch(num_reqs, context, context, args.block_size)
             work, ceiling, variants = (num_reqs * 4.0 * HEADS * HEAD_DIM * context * (context + 1) / 2,
                                        MATMUL_PEAK, prefill_variants())
         default, ok = sweep(b, variants, work, ceiling)

@@ -21,7 +21,9 @@ first N steps one by one; every run lists Python's garbage collections (generati
 ``--cprofile-steps N`` runs cProfile over the first N steps of the first run and writes the top
 functions (cumulative and own time) to DIR/cprofile_first_steps.txt (cProfile slows Python-heavy
 code about twice: for where the host time goes, not for the busy figure). ``--freeze-gc`` calls ``gc.freeze()`` before the runs (what the engine does at start-up
-otherwise: the A/B of that). Everything goes to DIR/busy_timeline.json.
+otherwise: the A/B of that). ``--device-waits`` logs, per step, the ``cudaMalloc`` calls and the
+synchronizing CUDA calls (with the engine frames that made them; ``device_waits.py``).
+Everything goes to DIR/busy_timeline.json.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from device_waits import DeviceWaitLog
 from host_overhead import PhaseTimer, instrument, split_phases
 
 from pagedserve.entrypoints.bench import throughput
@@ -197,6 +200,8 @@ def main() -> None:
                         help="time each step's host phases; list the first N steps")
     parser.add_argument("--cprofile-steps", type=int, default=0, metavar="N",
                         help="cProfile the first N steps of the first run")
+    parser.add_argument("--device-waits", action="store_true",
+                        help="log each step's cudaMalloc and synchronizing CUDA calls")
     parser.add_argument("--freeze-gc", action="store_true",
                         help="gc.freeze() before the runs")
     parser.add_argument("--warmup-prompts", type=int, default=32,
@@ -224,7 +229,7 @@ def main() -> None:
         instrument(llm, timer)
     workload = bench.parse_args([*common, *args.workload.split()])
     first_steps = FirstStepsProfile(llm.engine_core, args.cprofile_steps, out)
-    reports = [profiled_run(llm, workload, compiles, timer, args.phases)
+    reports = [profiled_run(llm, workload, compiles, timer, args.phases, args.device_waits)
                for _ in range(args.repeat)]  # fmt: skip
     first_steps.remove()
     for report in reports:
@@ -234,11 +239,12 @@ def main() -> None:
 
 
 def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog,  # noqa: ANN001
-                 timer: PhaseTimer | None, num_listed: int) -> dict:
+                 timer: PhaseTimer | None, num_listed: int, device_waits: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     log = StepLog(llm.engine_core)
     gc_log = GcLog(log.steps)
+    waits = DeviceWaitLog(llm.engine_core, log.steps) if device_waits else None
     if timer is not None:
         timer.steps.clear()
     compiles.take()
@@ -248,6 +254,7 @@ def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog,  # noq
         result = throughput.run(llm, workload)
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
+    waits_summary = None if waits is None else waits.remove()
     llm.engine_core.step = log._step  # unwrap
     gc_summary = gc_log.remove()
     intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
@@ -262,6 +269,7 @@ def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog,  # noq
         "triton_compiles": compiles.take(),
         **log.summary(start, start + wall_us / 1e6),
         "gc": gc_summary,
+        **({} if waits_summary is None else {"device_waits": waits_summary}),
         **({} if timer is None else phase_summary(timer, log, num_listed)),
     }  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The Llama-3-8B decode batch the overlap probes share, and a persistent decode attention.
 
 ``DecodeBatch``: 256 requests at context 1500 (the middle of target 3's decode), 32 layers of
-bf16 paged KV cache (block size 16, shuffled blocks: 50.3 GB), one query row per request.
+bf16 paged KV cache (block size 16 unless given, shuffled blocks: 50.3 GB), one query row per request.
 ``launch``: decode attention by a *persistent* kernel of G programs, each looping over
 (request, kv head) items, so it holds at most G SMs; its key loop loads the block ids in the
 iteration (as the engine's kernels do) or, with ``prefetch``, one tile ahead;
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from decode_tma import cache_descriptors, launch_tma
 
+from pagedserve.attention.backends.triton import SPLIT_KV_LAUNCH
 from pagedserve.kernels.attention_common import LOG2_E
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
@@ -29,11 +30,11 @@ DECODE_BATCH, DECODE_CONTEXT = 256, 1500
 class DecodeBatch:
     """The decode batch's 32 layers of KV cache, its block table and its query and output."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = BLOCK) -> None:
         dev, dt = "cuda", torch.bfloat16
-        blocks_per_req = DECODE_CONTEXT // BLOCK + 1
+        blocks_per_req = DECODE_CONTEXT // block_size + 1
         num_blocks = DECODE_BATCH * blocks_per_req + 1
-        self.caches = [torch.empty(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dt,
+        self.caches = [torch.empty(2, num_blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dt,
                                    device=dev).uniform_(-1, 1) for _ in range(LAYERS)]
         perm = torch.randperm(num_blocks - 1, device=dev) + 1
         # int32 [DECODE_BATCH, blocks_per_req]
@@ -69,12 +70,15 @@ class DecodeBatch:
         return run
 
     def engine(self, splits: int) -> Callable[[], None]:
-        """The 32 layers' attention by the engine's split-KV kernel at ``splits`` segments."""
+        """The 32 layers' attention by the engine's split-KV kernel at ``splits`` segments, with
+        the key loop the engine's backend gives this batch (``SPLIT_KV_LAUNCH``: 128-key tiles,
+        2 stages; until session 9 this ran the kernel's default launch, 64-key tiles and 3
+        stages, ~13.5 ms against ~11.5 on the same machine)."""
         def run() -> None:
             for cache in self.caches:
                 paged_attention_split_kv(self.q, cache, self.block_table, self.query_start_loc,
                                          self.seq_lens, DECODE_BATCH, HEAD_DIM**-0.5,
-                                         self.out, splits)
+                                         self.out, splits, SPLIT_KV_LAUNCH)
         return run
 
 

@@ -86,12 +86,15 @@ def print_ir_depths() -> None:
               f"{kernel.metadata.shared} B, buffers (depth x rows x cols) {depths}", flush=True)
 
 
-# (num_warps, num_stages, cache blocks per iteration)
-TMA_LAUNCHES = [(4, 4, 1), (4, 6, 1), (4, 8, 1), (8, 8, 1), (4, 3, 2), (4, 4, 2), (4, 3, 4)]
+# (num_warps, num_stages, cache blocks per iteration) by cache block size (tokens): a 16-token
+# block is 8 KB of K and V per kv head, a 64-token one 32 KB, a 128-token one 64 KB per stage
+TMA_LAUNCHES = {16: [(4, 4, 1), (4, 6, 1), (4, 8, 1), (8, 8, 1), (4, 3, 2), (4, 4, 2), (4, 3, 4)],
+                64: [(4, 3, 1), (4, 4, 1), (4, 6, 1), (8, 4, 1)],
+                128: [(4, 2, 1), (4, 3, 1), (8, 3, 1)]}
 TMA_PER_SM = (1 / 3, 2 / 3, 1, 2, 3)
 
 
-def print_tma_ir() -> None:
+def print_tma_ir(block_size: int) -> None:
     """The TMA kernel's sm_90 compile per launch: shared memory, K/V buffer depth, copies."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -99,20 +102,20 @@ def print_tma_ir() -> None:
     fn = persistent_decode_tma_kernel
     names = [p.name for p in fn.params]
     constexprs = dict(KV_HEADS=KV_HEADS, GROUP=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
-                      BLOCK_SIZE=BLOCK, BLOCK_M=16, BLOCKS_PER_ITER=1)
+                      BLOCK_SIZE=block_size, BLOCK_M=16, BLOCKS_PER_ITER=1)
     sig = {n: "constexpr" if n in constexprs else "*bf16" if n.endswith("_ptr") else "i32"
            for n in names}
-    desc = f"tensordesc<bf16[{BLOCK}, {HEAD_DIM}]>"
+    desc = f"tensordesc<bf16[{block_size}, {HEAD_DIM}]>"
     sig.update(block_table_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", k_desc=desc,
                v_desc=desc)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
-    for warps, stages, blocks in TMA_LAUNCHES:
+    for warps, stages, blocks in TMA_LAUNCHES[block_size]:
         kernel = triton.compile(ASTSource(fn, sig, constexprs={**constexprs,
                                                                "BLOCKS_PER_ITER": blocks},
                                           attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps, num_stages=stages))
-        depths = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x16x",
+        depths = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{block_size}x",
                             kernel.asm["ttgir"])
         copies = kernel.asm["ptx"].count("cp.async.bulk.tensor")
         print(f"tma w{warps} s{stages} b{blocks}: shared {kernel.metadata.shared} B, K/V "
@@ -120,7 +123,7 @@ def print_tma_ir() -> None:
               f"{copies}", flush=True)
 
 
-def _setup() -> tuple[DecodeBatch, torch.Tensor, dict]:
+def _setup(block_size: int = BLOCK) -> tuple[DecodeBatch, torch.Tensor, dict]:
     """The decode batch, the engine kernel's output on its layer 0 (the reference) and the
     report's head (with the engine kernel's time over the 32 layers)."""
     from graph_timing import graph_time_ms
@@ -128,11 +131,12 @@ def _setup() -> tuple[DecodeBatch, torch.Tensor, dict]:
     from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
     torch.manual_seed(0)
-    batch = DecodeBatch()
+    batch = DecodeBatch(block_size)
     ref = torch.empty_like(batch.q)  # [DECODE_BATCH, HEADS, HEAD_DIM]
     paged_attention_split_kv(batch.q, batch.caches[0], batch.block_table, batch.query_start_loc,
                              batch.seq_lens, DECODE_BATCH, HEAD_DIM**-0.5, ref, 1)
     report = {"sms": torch.cuda.get_device_properties(0).multi_processor_count,
+              "block_size": block_size,
               "kv_bytes": batch.kv_bytes,
               "engine_split_kv_ms": graph_time_ms(batch.engine(1), REPS), "variants": []}
     print(f"engine split-KV kernel: {report['engine_split_kv_ms']:.2f} ms", flush=True)
@@ -162,9 +166,11 @@ def _measure(batch: DecodeBatch, ref: torch.Tensor, report: dict, label: str, fi
     return True
 
 
-def time_tma(out_dir: Path) -> None:
-    batch, ref, report = _setup()
-    for warps, stages, blocks in TMA_LAUNCHES:
+def time_tma(out_dir: Path, block_size: int) -> None:
+    batch, ref, report = _setup(block_size)
+    name = "decode_depth_probe_tma.json" if block_size == BLOCK else \
+        f"decode_depth_probe_tma_b{block_size}.json"
+    for warps, stages, blocks in TMA_LAUNCHES[block_size]:
         for per_sm in TMA_PER_SM:
             programs = max(1, round(report["sms"] * per_sm))
             once = functools.partial(launch_tma, batch.out, batch.q, batch.caches[0],
@@ -176,7 +182,7 @@ def time_tma(out_dir: Path) -> None:
             if not _measure(batch, ref, report, label, fields, once,
                             batch.persistent_tma(programs, warps, stages, blocks)):
                 break
-        (out_dir / "decode_depth_probe_tma.json").write_text(json.dumps(report, indent=1))
+        (out_dir / name).write_text(json.dumps(report, indent=1))
 
 
 def time_variants(out_dir: Path) -> None:
@@ -202,12 +208,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--ir", action="store_true", help="print sm_90 buffer depths and stop")
     parser.add_argument("--tma", action="store_true", help="the TMA kernel's variants instead")
+    parser.add_argument("--block-size", type=int, choices=sorted(TMA_LAUNCHES), default=BLOCK,
+                        help="with --tma: the cache block size (one TMA copy per block)")
     args = parser.parse_args()
     if args.ir:
-        (print_tma_ir if args.tma else print_ir_depths)()
+        if args.tma:
+            print_tma_ir(args.block_size)
+        else:
+            print_ir_depths()
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    (time_tma if args.tma else time_variants)(args.out)
+    if args.tma:
+        time_tma(args.out, args.block_size)
+    else:
+        time_variants(args.out)
 
 
 if __name__ == "__main__":

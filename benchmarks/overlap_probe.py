@@ -17,7 +17,8 @@ CUDA green context of N SMs (graph replayed there, and launched eagerly there) b
 whole card. With ``--partition C:G ...`` also: P's GEMMs on cuBLASLt told to leave C SMs free
 and D's attention by a persistent kernel of G programs (decode_batch.py), at once on two
 streams: the engine step an SM partition would run, against "joint" (``--partition-tma W S B``:
-D's attention by decode_tma.py's kernel instead). Writes
+D's attention by decode_tma.py's kernel instead; ``--block-size`` sets the cache's tokens per
+block, 16 by default). Writes
 ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, sessions 5 and 6.
 """
 
@@ -65,9 +66,10 @@ def layer_weights() -> list[tuple[torch.Tensor, ...]]:
 class Stack:
     """Weights and KV caches of the 32 layers, and the per-branch attention inputs."""
 
-    def __init__(self, decode_launch: KeyLoopLaunch) -> None:
+    def __init__(self, decode_launch: KeyLoopLaunch, block_size: int = BLOCK) -> None:
         self.layers = layer_weights()
-        self.decode = DecodeBatch()
+        self.decode = DecodeBatch(block_size)
+        self.block_size = block_size
         self.caches = self.decode.caches  # the prefill chunk's keys go to blocks 1.. of them
         self.decode_meta = dict(
             block_table=self.decode.block_table, query_start_loc=self.decode.query_start_loc,
@@ -76,7 +78,7 @@ class Stack:
 
     def prefill_meta(self, tokens: int) -> dict:
         dev = "cuda"
-        table = torch.arange(1, tokens // BLOCK + 2, dtype=torch.int32, device=dev)[None]
+        table = torch.arange(1, tokens // self.block_size + 2, dtype=torch.int32, device=dev)[None]
         return dict(block_table=table,
                     query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
                     seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
@@ -244,11 +246,14 @@ def main() -> None:
                         help="the persistent attention loads the next tile's block ids ahead")
     parser.add_argument("--partition-tma", type=int, nargs=3, metavar=("WARPS", "STAGES", "BLOCKS"),
                         help="the persistent attention of decode_tma.py at this launch instead")
+    parser.add_argument("--block-size", type=int, default=BLOCK,
+                        help="tokens per KV cache block (decode_tma.py copies one per TMA load)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    stack = Stack(KeyLoopLaunch(*args.decode_launch) if args.decode_launch else DEFAULT_LAUNCH)
+    stack = Stack(KeyLoopLaunch(*args.decode_launch) if args.decode_launch else DEFAULT_LAUNCH,
+                  args.block_size)
     print(f"weights and caches ready after {time.perf_counter() - t0:.1f} s", flush=True)
     x_decode = torch.randn(DECODE_BATCH, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
     g_decode = capture_graph(stack.branch(x_decode, stack.decode_meta))

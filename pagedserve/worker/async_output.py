@@ -19,7 +19,6 @@ import torch
 from pagedserve.core.sched_output import LogprobsLists, ModelRunnerOutput
 from pagedserve.sample import LogprobsTensors, SamplerOutput
 
-
 Copy = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -55,7 +55,6 @@ from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
 from pagedserve.worker.tracer import NullTracer, Tracer
 
-
 logger = logging.getLogger(__name__)
 
 
