@@ -8,8 +8,9 @@ decode sees them; b16 and b128 at 1024) and prefill steps (8 prompts of 1024 tok
 target 3's prefill; 4 of 2048: target 4's), bf16 paged KV cache (block size 16, shuffled block
 tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (splits 0 below) and the
 split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and pipeline depth listed
-below, and both with block ids loaded a tile ahead (``prefetch_block_ids``), as KV bytes read
-per second against the card's copy bandwidth. Prefill: the varlen kernel with query tiles of 64
+below, as KV bytes read per second against the card's copy bandwidth (session 7's variants with
+block ids loaded a tile ahead were removed with that kernel option in session 9; they ran at
+commit 27780db). Prefill: the varlen kernel with query tiles of 64
 and 128 rows, as causal attention FLOPs per second against the bf16 matmul peak. Each: median
 of 15 replays of a CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
 shape per scenario).
@@ -124,12 +125,7 @@ def decode_variants() -> list[Variant]:
     launches = [KeyLoopLaunch(t, w, s) for t, w, s in
                 ((64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 4, 4), (128, 8, 3),
                  (64, 4, 5), (128, 4, 5))]  # 5 stages: the first depth with 2 K/V buffers
-    out += [Variant(n, launch) for n, launch in itertools.product((1, 2, 4), launches)]
-    # block ids loaded a tile ahead: 2-3 K/V tiles in flight instead of one (sm_90 compile)
-    ahead = [KeyLoopLaunch(t, 4, s, prefetch_block_ids=True)
-             for t, s in ((128, 3), (128, 2), (64, 3), (64, 4))]
-    out += [Variant(n, launch) for n, launch in itertools.product((0, 1, 2), ahead)]
-    return out
+    return [*out, *(Variant(n, launch) for n, launch in itertools.product((1, 2, 4), launches))]
 
 
 def prefill_variants() -> list[Variant]:
@@ -139,7 +135,6 @@ def prefill_variants() -> list[Variant]:
     out += [Variant(0, KeyLoopLaunch(t, w, s, m))
             for m, t, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
             if (m, t, w, s) != (64, 64, 4, 3)]
-    out += [Variant(0, KeyLoopLaunch(64, 4, s, 64, prefetch_block_ids=True)) for s in (2, 3)]
     return out
 
 

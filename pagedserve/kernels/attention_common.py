@@ -41,7 +41,6 @@ def _attend_tiles(
     acc,  # fp32 [BLOCK_M, HEAD_DIM_PAD]: running unnormalized output
     m_i,  # fp32 [BLOCK_M]: running row maximum (log2 domain)
     l_i,  # fp32 [BLOCK_M]: running row sum of exp2(score - m_i)
-    block,  # int64 [TILE_N]: block ids of the tile at loop_start (used with PREFETCH_IDS)
     q,  # [BLOCK_M, HEAD_DIM_PAD] in DOT_DTYPE
     q_pos,  # int32 [BLOCK_M]
     kc_head_ptr,  # key cache at this kv head: [num_blocks, block_size, ., head_dim]
@@ -62,21 +61,13 @@ def _attend_tiles(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of every tile exists and every row sees it
-    PREFETCH_IDS: tl.constexpr,
 ):
     """Online-softmax steps over the key tiles ``[t, t + TILE_N)`` for ``t`` from
-    ``loop_start`` below ``loop_end``; returns (acc, m_i, l_i) and the block ids of the tile
-    after the last (with PREFETCH_IDS; else ``block`` unchanged)."""
+    ``loop_start`` below ``loop_end``; returns (acc, m_i, l_i)."""
     for tile_start in range(loop_start, loop_end, TILE_N):
-        if PREFETCH_IDS:
-            tile_block = block
-            block = _tile_blocks(
-                block_table_row_ptr, tile_start + TILE_N, kv_end, BLOCK_SIZE, TILE_N, True
-            )
-        else:
-            tile_block = _tile_blocks(
-                block_table_row_ptr, tile_start, kv_end, BLOCK_SIZE, TILE_N, MASKED
-            )
+        tile_block = _tile_blocks(
+            block_table_row_ptr, tile_start, kv_end, BLOCK_SIZE, TILE_N, MASKED
+        )
         offs_n = tl.arange(0, TILE_N)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         d_mask = offs_d < HEAD_DIM
@@ -105,7 +96,7 @@ def _attend_tiles(
         p = p.to(v.dtype).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, m_i, l_i, block
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -135,7 +126,6 @@ def attend_kv_range(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,  # load the next tile's block ids one iteration ahead
 ):
     """Fold keys ``[kv_start, kv_end)`` of one request and one kv head into (acc, m_i, l_i).
 
@@ -143,28 +133,23 @@ def attend_kv_range(
     without masks; the rest (the causal diagonal and the ragged end) are masked. Each key
     position is looked up in the block table on its own, so TILE_N and the cache's block size
     are independent. The first tile holds a key every row sees, so m_i is finite after it.
-
-    With ``PREFETCH_IDS`` each iteration loads the block ids of the next tile (a loop-carried
-    value): the K/V loads then wait on no load of their own iteration, and on the 16-row decode
-    tiles Triton's pipeliner gives them ``num_stages - 1`` buffers instead of one (sm_90
-    compile; 64-row tiles, on wgmma, get two either way: BENCHMARKS.md, session 6).
+    (Loading the next tile's block ids a tile ahead was measured and removed: BENCHMARKS.md,
+    sessions 7 and 9.)
     """
     kc_head_ptr = key_cache_ptr + kv_head * stride_kc_head
     vc_head_ptr = value_cache_ptr + kv_head * stride_vc_head
     full_end = kv_start + (tl.minimum(kv_end, min_q_pos + 1) - kv_start) // TILE_N * TILE_N
-    # The first tile's ids (read only with PREFETCH_IDS; otherwise the load is dead code).
-    block = _tile_blocks(block_table_row_ptr, kv_start, kv_end, BLOCK_SIZE, TILE_N, True)
-    acc, m_i, l_i, block = _attend_tiles(
-        acc, m_i, l_i, block, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
         kv_start, full_end, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, False, PREFETCH_IDS,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, False,
     )  # fmt: skip
-    acc, m_i, l_i, block = _attend_tiles(
-        acc, m_i, l_i, block, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
         full_end, kv_end, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, True, PREFETCH_IDS,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, True,
     )  # fmt: skip
     return acc, m_i, l_i
 

@@ -80,7 +80,6 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,  # KeyLoopLaunch.prefetch_block_ids
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block_global = tl.program_id(0)
@@ -115,7 +114,7 @@ def _paged_attention_kernel(
         0, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_kc_head,
         stride_vc_block, stride_vc_off, stride_vc_head,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, PREFETCH_IDS,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     # A row that saw no key (only under malformed metadata: seq_len < query_len) writes 0, not NaN.
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
@@ -141,15 +140,12 @@ class KeyLoopLaunch:
     """How a paged-attention kernel walks the keys: keys per tile (None: ``key_tile_size``),
     warps per program, Triton's software-pipelining depth, for the varlen kernel the query-tile
     rows (None: ``choose_block_m``; a power of two >= 16 holding whole GQA groups; the split-KV
-    kernel ignores it), and whether each tile loads the next tile's block ids (which lets the
-    pipeliner keep ``num_stages - 1`` K/V tiles in flight instead of one on the 16-row decode
-    tiles; ``attend_kv_range``)."""
+    kernel ignores it)."""
 
     tile_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
     block_m: int | None = None
-    prefetch_block_ids: bool = False
 
     def tile(self, head_dim_pad: int) -> int:
         return self.tile_n or key_tile_size(head_dim_pad)
@@ -206,6 +202,5 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, TILE_N=launch.tile(head_dim_pad),
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
-        PREFETCH_IDS=launch.prefetch_block_ids,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip

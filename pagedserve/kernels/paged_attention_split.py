@@ -77,7 +77,6 @@ def _split_kv_kernel(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_IDS: tl.constexpr,  # KeyLoopLaunch.prefetch_block_ids
 ):
     """One program per item (request, kv head, segment), segment fastest: the decode row of
     every q head of the kv head against the segment's keys. It writes the normalized output when
@@ -116,7 +115,6 @@ def _split_kv_kernel(
             stride_kc_block, stride_kc_off, stride_kc_head,
             stride_vc_block, stride_vc_off, stride_vc_head,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
-            PREFETCH_IDS,
         )  # fmt: skip
         if num_splits == 1:
             o_off = token * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
@@ -218,7 +216,6 @@ def paged_attention_split_kv(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
         TILE_N=tile_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
-        PREFETCH_IDS=launch.prefetch_block_ids,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits == 1:

@@ -117,15 +117,13 @@ def test_split_kv_rejects_split_counts_out_of_range(num_splits: int) -> None:
         KeyLoopLaunch(32, 8, 2),
         KeyLoopLaunch(128, 4, 4),
         KeyLoopLaunch(64, 8, 2, block_m=128),
-        KeyLoopLaunch(32, 4, 3, prefetch_block_ids=True),
-        KeyLoopLaunch(64, 4, 4, block_m=32, prefetch_block_ids=True),
+        KeyLoopLaunch(64, 4, 4, block_m=32),
     ],
 )
 def test_other_key_loop_launches_give_the_same_attention(launch: KeyLoopLaunch) -> None:
     """The launch shapes ``benchmarks/attention_sweep.py`` times: other key tiles (32 and 128
     keys, crossing blocks of 16 differently), warps, pipeline depths, query tiles (128 rows:
-    32 queries of a 4-head group, across the 6-token prefill and past it) and block ids loaded a
-    tile ahead (through the unmasked tiles into the masked ones), both kernels."""
+    32 queries of a 4-head group, across the 6-token prefill and past it), both kernels."""
     batch = make_paged_batch([1, 1, 6], [150, 37, 90], 8, 2, 64, 16, torch.float32)
     write_step_kv(batch)
     meta = batch.metadata
