@@ -9,8 +9,8 @@ target 3's prefill; 4 of 2048: target 4's), bf16 paged KV cache (block size 16, 
 tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (splits 0 below) and the
 split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and pipeline depth listed
 below, as KV bytes read per second against the card's copy bandwidth (session 7's variants with
-block ids loaded a tile ahead were removed with that kernel option in session 9; they ran at
-commit 27780db). Prefill: the varlen kernel with query tiles of 64
+block ids loaded a tile ahead were removed with that kernel option in session 9; commit
+27780db still runs them). Prefill: the varlen kernel with query tiles of 64
 and 128 rows, as causal attention FLOPs per second against the bf16 matmul peak. Each: median
 of 15 replays of a CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
 shape per scenario).
