@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from decode_items import start_item
 from decode_tma import cache_descriptors, launch_tma
 
 from pagedserve.attention.backends.triton import SPLIT_KV_LAUNCH
@@ -56,12 +57,16 @@ class DecodeBatch:
                        tile_n, warps, stages, prefetch, block_m)
         return run
 
-    def persistent_tma(self, programs: int, warps: int, stages: int,
-                       blocks_per_iter: int) -> Callable[[], None]:
-        """The 32 layers' attention by ``decode_tma.launch_tma`` (descriptors built once)."""
+    def descriptors(self) -> list:
+        """Each layer's (K, V) TMA descriptors (``decode_tma.cache_descriptors``), built once."""
         if self._descriptors is None:
             self._descriptors = [cache_descriptors(cache) for cache in self.caches]
-        descriptors = self._descriptors
+        return self._descriptors
+
+    def persistent_tma(self, programs: int, warps: int, stages: int,
+                       blocks_per_iter: int) -> Callable[[], None]:
+        """The 32 layers' attention by ``decode_tma.launch_tma``."""
+        descriptors = self.descriptors()
 
         def run() -> None:
             for cache, d in zip(self.caches, descriptors, strict=True):
@@ -108,18 +113,11 @@ def persistent_decode_kernel(
     offs_n = tl.arange(0, TILE_N)
     row_mask = offs_m < GROUP
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        req = item // KV_HEADS
-        kv_head = item % KV_HEADS
-        seq_len = tl.load(seq_lens_ptr + req)
-        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-        head = kv_head * GROUP + offs_m
-        off = (req.to(tl.int64) * GROUP * KV_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
-        q = tl.load(q_ptr + off, mask=row_mask[:, None], other=0.0)
+        kv_head, seq_len, _, bt_row, off, q, acc, m_i, l_i = start_item(
+            item, q_ptr, seq_lens_ptr, block_table_ptr, stride_bt, KV_HEADS, GROUP, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_M)
         kc = key_cache_ptr + kv_head * HEAD_DIM
         vc = value_cache_ptr + kv_head * HEAD_DIM
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0)
         for start in range(0, seq_len, TILE_N):
             key_pos = start + offs_n

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from decode_items import start_item
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedserve.kernels.attention_common import LOG2_E
@@ -47,21 +48,12 @@ def persistent_decode_tma_kernel(
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_b = tl.arange(0, BLOCKS_PER_ITER)
-    offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_SIZE)
     row_mask = offs_m < GROUP
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        req = item // KV_HEADS
-        kv_head = item % KV_HEADS
-        seq_len = tl.load(seq_lens_ptr + req)
-        num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-        head = kv_head * GROUP + offs_m
-        off = (req.to(tl.int64) * GROUP * KV_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
-        q = tl.load(q_ptr + off, mask=row_mask[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        kv_head, seq_len, num_blocks, bt_row, off, q, acc, m_i, l_i = start_item(
+            item, q_ptr, seq_lens_ptr, block_table_ptr, stride_bt, KV_HEADS, GROUP, HEAD_DIM,
+            BLOCK_SIZE, BLOCK_M)
         col = kv_head * HEAD_DIM
         ids = tl.load(bt_row + offs_b, mask=offs_b < num_blocks, other=0)
         for it in range(0, tl.cdiv(num_blocks, BLOCKS_PER_ITER)):

@@ -45,7 +45,7 @@ from decode_batch import (
     DecodeBatch,
 )
 from decode_batch import launch as persistent_decode
-from decode_tma import cache_descriptors, launch_tma
+from decode_tma import launch_tma
 from graph_timing import capture_graph, carved_graph, median_ms
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
@@ -117,7 +117,7 @@ class Stack:
         decode, caches = self.decode, self.caches
         if args.partition_tma:
             warps, stages, blocks = args.partition_tma
-            descriptors = [cache_descriptors(cache) for cache in caches]
+            descriptors = decode.descriptors()
             return lambda out, q, layer: launch_tma(
                 out, q, caches[layer], decode.block_table, decode.seq_lens, programs, warps,
                 stages, blocks, descriptors[layer])
