@@ -34,6 +34,7 @@ class DeviceWaitLog:
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("always")
+        self._show_other = warnings.showwarning
         warnings.showwarning = self._on_warning
         torch.cuda.set_sync_debug_mode("warn")
 
@@ -48,6 +49,7 @@ class DeviceWaitLog:
 
     def _on_warning(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001, PLR0913
         if "synchroniz" not in str(message):
+            self._show_other(message, category, filename, lineno, file, line)
             return
         frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}"
                   for f in traceback.extract_stack() if f.filename.startswith(PACKAGE)]
