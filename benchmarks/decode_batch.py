@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from decode_items import start_item
+from decode_items import prefetch_tile_l2, start_item
 from decode_tma import cache_descriptors, launch_tma
 
 from pagedserve.attention.backends.triton import SPLIT_KV_LAUNCH
@@ -49,12 +49,12 @@ class DecodeBatch:
         self._descriptors: list | None = None  # TMA descriptors of the caches, on first use
 
     def persistent(self, programs: int, tile_n: int, warps: int, stages: int,
-                   prefetch: bool, block_m: int = 16) -> Callable[[], None]:
+                   prefetch: bool, block_m: int = 16, l2_ahead: int = 0) -> Callable[[], None]:
         """The 32 layers' attention by ``launch`` (``out`` holds the last layer's)."""
         def run() -> None:
             for cache in self.caches:
                 launch(self.out, self.q, cache, self.block_table, self.seq_lens, programs,
-                       tile_n, warps, stages, prefetch, block_m)
+                       tile_n, warps, stages, prefetch, block_m, l2_ahead)
         return run
 
     def descriptors(self) -> list:
@@ -107,6 +107,7 @@ def persistent_decode_kernel(
     TILE_N: tl.constexpr,
     PREFETCH_IDS: tl.constexpr,  # load the next tile's block ids one iteration ahead
     BLOCK_M: tl.constexpr,  # q heads of one kv head, padded: 16 for tl.dot, 64 for wgmma
+    L2_AHEAD: tl.constexpr = 0,  # tiles ahead whose K/V lines go to L2 by prefetch (0: none)
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -119,7 +120,13 @@ def persistent_decode_kernel(
         kc = key_cache_ptr + kv_head * HEAD_DIM
         vc = value_cache_ptr + kv_head * HEAD_DIM
         ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0)
+        for ahead in tl.static_range(L2_AHEAD):  # the item's first tiles
+            prefetch_tile_l2(kc, vc, bt_row, ahead * TILE_N, seq_len, stride_block, stride_off,
+                             BLOCK_SIZE, HEAD_DIM, TILE_N)
         for start in range(0, seq_len, TILE_N):
+            if L2_AHEAD > 0:
+                prefetch_tile_l2(kc, vc, bt_row, start + L2_AHEAD * TILE_N, seq_len,
+                                 stride_block, stride_off, BLOCK_SIZE, HEAD_DIM, TILE_N)
             key_pos = start + offs_n
             key_mask = key_pos < seq_len
             if not PREFETCH_IDS:
@@ -142,17 +149,25 @@ def persistent_decode_kernel(
 
 
 def launch(out, q, cache, block_table, seq_lens, programs: int, tile_n: int, warps: int,
-           stages: int, prefetch: bool, block_m: int = 16) -> None:
+           stages: int, prefetch: bool, block_m: int = 16, l2_ahead: int = 0) -> None:
     """``persistent_decode_kernel`` with ``programs`` programs: q and out
     [num_reqs, heads, head_dim], cache [2, num_blocks, block_size, kv_heads, head_dim], all
-    contiguous."""
+    contiguous; ``l2_ahead`` tiles' K/V lines prefetched to L2 ahead of their loads."""
+    launch_gathered(persistent_decode_kernel, out, q, cache, block_table, seq_lens, programs,
+                    warps, stages, TILE_N=tile_n, PREFETCH_IDS=prefetch, BLOCK_M=block_m,
+                    L2_AHEAD=l2_ahead)
+
+
+def launch_gathered(kernel, out, q, cache, block_table, seq_lens, programs: int, warps: int,
+                    stages: int, **constexprs) -> None:
+    """``kernel``, a persistent decode kernel with ``persistent_decode_kernel``'s arguments up
+    to ``BLOCK_SIZE``, with ``programs`` programs and its own ``constexprs``."""
     k, v = cache[0], cache[1]
     kv_heads, head_dim = k.shape[2], k.shape[3]
     num_items = q.shape[0] * kv_heads
-    persistent_decode_kernel[(min(programs, num_items),)](
+    kernel[(min(programs, num_items),)](
         out, q, k, v, block_table, seq_lens, num_items, head_dim**-0.5 * LOG2_E,
         k.stride(0), k.stride(1), block_table.stride(0),
         KV_HEADS=kv_heads, GROUP=q.shape[1] // kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k.shape[1], TILE_N=tile_n, PREFETCH_IDS=prefetch, BLOCK_M=block_m,
-        num_warps=warps, num_stages=stages,
+        BLOCK_SIZE=k.shape[1], **constexprs, num_warps=warps, num_stages=stages,
     )  # fmt: skip

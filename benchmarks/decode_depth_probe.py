@@ -24,6 +24,14 @@ ships ptxas). Writes ``decode_depth_probe.json``.
 ``(stages - 1) x blocks per iteration`` blocks in flight per program; sm_90 compile: 7 deep,
 62 KB of shared memory at 8 stages and one block per iteration) at 1/3 .. 3 programs per SM, and writes ``decode_depth_probe_tma.json``;
 with ``--ir``, its sm_90 buffer depths and TMA copy counts.
+
+``--l2-ahead N ...`` times ``decode_batch.py``'s kernel (block ids a tile ahead) with the K/V
+lines of the tile N tiles ahead prefetched to L2 (``prefetch.global.L2``; 0: none) at 1/3 .. 2
+programs per SM, and writes ``decode_depth_probe_l2.json``: a prefetch keeps bytes in flight
+without holding registers or shared memory, so a program's read rate is no longer bounded by
+its buffers, only by the latency of L2 hits. ``--swapped`` times ``decode_swapped.py``'s
+kernel (keys and head dimension as the dots' M side, on wgmma) the same way and writes
+``decode_depth_probe_swapped.json``.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from decode_batch import (
     launch,
     persistent_decode_kernel,
 )
+from decode_swapped import launch_swapped
 from decode_tma import launch_tma, persistent_decode_tma_kernel
 
 REPS = 15
@@ -185,6 +194,53 @@ def time_tma(out_dir: Path, block_size: int) -> None:
         (out_dir / name).write_text(json.dumps(report, indent=1))
 
 
+# (tile_n, num_warps, num_stages) of the L2-prefetch sweep, block ids a tile ahead
+L2_LAUNCHES = [(64, 4, 3), (128, 4, 2), (64, 4, 2)]
+# (tile_n, num_warps, num_stages) of the swapped kernel (decode_swapped.py)
+SWAPPED_LAUNCHES = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 2)]
+PER_SM = (1 / 3, 2 / 3, 1, 2)
+
+
+def _sweep(out_dir: Path, name: str, variants: list[tuple[str, dict, Callable, Callable]]) -> None:
+    """Each variant (label, fields, launch(programs) on layer 0, run(programs) over the 32
+    layers) at ``PER_SM`` programs per SM; the report goes to ``out_dir / name``."""
+    batch, ref, report = _setup()
+    for label, fields, once, run in variants:
+        for per_sm in PER_SM:
+            programs = max(1, round(report["sms"] * per_sm))
+            if not _measure(batch, ref, report, f"{label} G={programs}",
+                            {**fields, "programs": programs},
+                            functools.partial(once, batch, programs), run(batch, programs)):
+                break
+        (out_dir / name).write_text(json.dumps(report, indent=1))
+
+
+def time_l2_ahead(out_dir: Path, aheads: list[int]) -> None:
+    def variant(tile_n: int, warps: int, stages: int, ahead: int):
+        def once(b: DecodeBatch, programs: int) -> None:
+            launch(b.out, b.q, b.caches[0], b.block_table, b.seq_lens, programs, tile_n, warps,
+                   stages, True, 16, ahead)
+        return (f"t{tile_n} w{warps} s{stages} l2_ahead={ahead}",
+                {"tile_n": tile_n, "warps": warps, "stages": stages, "l2_ahead": ahead}, once,
+                lambda b, programs: b.persistent(programs, tile_n, warps, stages, True, 16, ahead))
+    _sweep(out_dir, "decode_depth_probe_l2.json",
+           [variant(*x, a) for x in L2_LAUNCHES for a in aheads])
+
+
+def time_swapped(out_dir: Path) -> None:
+    def variant(tile_n: int, warps: int, stages: int):
+        def once(b: DecodeBatch, programs: int) -> None:
+            launch_swapped(b.out, b.q, b.caches[0], b.block_table, b.seq_lens, programs, tile_n,
+                           warps, stages)
+
+        def run(b: DecodeBatch, programs: int) -> Callable[[], None]:
+            return lambda: [launch_swapped(b.out, b.q, cache, b.block_table, b.seq_lens,
+                                           programs, tile_n, warps, stages) for cache in b.caches]
+        return (f"swapped t{tile_n} w{warps} s{stages}",
+                {"tile_n": tile_n, "warps": warps, "stages": stages}, once, run)
+    _sweep(out_dir, "decode_depth_probe_swapped.json", [variant(*x) for x in SWAPPED_LAUNCHES])
+
+
 def time_variants(out_dir: Path) -> None:
     batch, ref, report = _setup()
     q, cache0, table, seq_lens = batch.q, batch.caches[0], batch.block_table, batch.seq_lens
@@ -210,6 +266,10 @@ def main() -> None:
     parser.add_argument("--tma", action="store_true", help="the TMA kernel's variants instead")
     parser.add_argument("--block-size", type=int, choices=sorted(TMA_LAUNCHES), default=BLOCK,
                         help="with --tma: the cache block size (one TMA copy per block)")
+    parser.add_argument("--swapped", action="store_true",
+                        help="decode_swapped.py's kernel (keys as the dots' M side) instead")
+    parser.add_argument("--l2-ahead", type=int, nargs="+", metavar="N",
+                        help="the L2-prefetch sweep at these distances (tiles) instead")
     args = parser.parse_args()
     if args.ir:
         if args.tma:
@@ -220,6 +280,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tma:
         time_tma(args.out, args.block_size)
+    elif args.l2_ahead:
+        time_l2_ahead(args.out, args.l2_ahead)
+    elif args.swapped:
+        time_swapped(args.out)
     else:
         time_variants(args.out)
 

@@ -17,7 +17,8 @@ CUDA green context of N SMs (graph replayed there, and launched eagerly there) b
 whole card. With ``--partition C:G ...`` also: P's GEMMs on cuBLASLt told to leave C SMs free
 and D's attention by a persistent kernel of G programs (decode_batch.py), at once on two
 streams: the engine step an SM partition would run, against "joint" (``--partition-tma W S B``:
-D's attention by decode_tma.py's kernel instead; ``--block-size`` sets the cache's tokens per
+D's attention by decode_tma.py's kernel instead; ``--l2-ahead N``: decode_batch.py's with L2
+prefetches N tiles ahead; ``--block-size`` sets the cache's tokens per
 block, 16 by default). Writes
 ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, sessions 5 and 6.
 """
@@ -123,7 +124,7 @@ class Stack:
                 stages, blocks, descriptors[layer])
         return lambda out, q, layer: persistent_decode(
             out, q, caches[layer], decode.block_table, decode.seq_lens, programs,
-            *args.partition_launch, args.prefetch_ids)
+            *args.partition_launch, args.prefetch_ids, 16, args.l2_ahead)
 
     def chain(self, x: torch.Tensor, attend: Callable[[torch.Tensor, int], torch.Tensor]):
         def run() -> torch.Tensor:
@@ -246,6 +247,9 @@ def main() -> None:
                         help="the persistent attention loads the next tile's block ids ahead")
     parser.add_argument("--partition-tma", type=int, nargs=3, metavar=("WARPS", "STAGES", "BLOCKS"),
                         help="the persistent attention of decode_tma.py at this launch instead")
+    parser.add_argument("--l2-ahead", type=int, default=0, metavar="N",
+                        help="with --partition: the persistent attention prefetches the K/V "
+                             "lines of the tile N tiles ahead to L2 (decode_batch.py)")
     parser.add_argument("--block-size", type=int, default=BLOCK,
                         help="tokens per KV cache block (decode_tma.py copies one per TMA load)")
     args = parser.parse_args()
