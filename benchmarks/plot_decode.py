@@ -19,9 +19,9 @@ from pathlib import Path
 from pagedserve.entrypoints.bench.roofline import (
     MEASURED_CEILINGS,
     Ceilings,
-    ModelShape,
     decode_step_roofline,
 )
+from pagedserve.model.shape import ModelShape
 
 LLAMA_3_8B = ModelShape(num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                         ffn=14336, vocab=128256)  # fmt: skip

@@ -194,12 +194,15 @@ class CompilationConfig:
     piecewise_cudagraph_capture_sizes: tuple[int, ...] | None = None
     """Explicit PIECEWISE (mixed batch) capture sizes; overrides ``cudagraph_capture_sizes``
     for PIECEWISE only."""
-    budget_step_graph: bool = False
+    budget_step_graph: bool | None = None
     """Also capture a PIECEWISE graph of exactly ``max_num_batched_tokens`` tokens, replayed by
     the steps that fill the token budget (every step of a burst of prompts) and by no other:
-    nothing pads into it. For small models, whose full-budget steps are bound by the host
-    launching each kernel (Qwen3-0.6B on an H200: 26-78 ms of launches against ~19 ms of GPU
-    work per 8,192-token step); it holds one such step's activations off the KV cache."""
+    nothing pads into it. It pays for small models, whose full-budget steps are bound by the
+    host launching each kernel (Qwen3-0.6B on an H200: 26-78 ms of launches against ~19 ms of
+    GPU work per 8,192-token step), and holds one such step's activations off the KV cache.
+    Unset: captured when a budget step's linear layers do at most ``HOST_BOUND_LAYER_FLOPS``
+    per decoder layer (``worker/model_runner.py``: Qwen3-0.6B and smaller at 8,192 tokens, not
+    1B and up)."""
 
     def __post_init__(self) -> None:
         _check(self.max_capture_size >= 1, "max_capture_size: must be >= 1")

@@ -29,6 +29,7 @@ from pagedserve.core.sched_output import (
     SchedulerOutput,
 )
 from pagedserve.model.loader import get_max_model_len, load_model
+from pagedserve.model.shape import ModelShape
 from pagedserve.platform import resolve_dtype
 from pagedserve.sample import Sampler, SamplerOutput
 from pagedserve.worker import kv_cache
@@ -67,14 +68,34 @@ class ExecuteModelState:
     hidden_states: torch.Tensor  # [num_tokens_after_padding, hidden_size], device
 
 
-def capture_ladders(config: EngineConfig) -> CaptureLadders:
+# Linear-layer FLOPs per decoder layer of a full-budget step up to which the budget-step graph
+# is captured by default. Between the two shapes measured on the H200: Qwen3-0.6B at 8,192
+# tokens does 0.26 TFLOP per layer (~0.3 ms of GPU work, less than its hosts took to launch one
+# layer's kernels: 0.27-0.6 ms) and was host-bound; Llama-3-8B does 3.6 TFLOP (~4.5 ms) and was
+# not. Below it the graph's activations are small too (they grow with the same widths).
+HOST_BOUND_LAYER_FLOPS = 0.5e12
+
+
+def wants_budget_graph(config: EngineConfig, shape: ModelShape | None) -> bool:
+    """``budget_step_graph`` as set, or, unset, whether a full-budget step of ``shape`` is
+    small enough to be host-bound (no shape yet: not decided, no graph)."""
+    asked = config.compilation.budget_step_graph
+    if asked is not None:
+        return asked
+    if shape is None:
+        return False
+    budget = config.scheduler.max_num_batched_tokens
+    return 2 * budget * shape.layer_matmul_params <= HOST_BOUND_LAYER_FLOPS
+
+
+def capture_ladders(config: EngineConfig, shape: ModelShape | None = None) -> CaptureLadders:
     """The configured ladders, and the token budget as an exact PIECEWISE size where
-    ``budget_step_graph`` asks for it and the ladder stops below the budget."""
+    ``wants_budget_graph`` and the ladder stops below the budget."""
     compilation = config.compilation
     full, piecewise = compilation.full_capture_sizes, compilation.piecewise_capture_sizes
     budget = config.scheduler.max_num_batched_tokens
     above_ladder = not piecewise or budget > piecewise[-1]
-    exact = [budget] if compilation.budget_step_graph and above_ladder else []
+    exact = [budget] if above_ladder and wants_budget_graph(config, shape) else []
     return CaptureLadders(full, piecewise, exact)
 
 
@@ -123,6 +144,10 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
+        # The model's shape decides an unset budget_step_graph; token buffers do not depend on
+        # the exact sizes (max_padded_tokens reads the ladders only), so they stay as sized.
+        self.capture_ladders = capture_ladders(self.config,
+                                               ModelShape.from_hf_config(self.hf_config))
         self.layer_names = list(self.attn_layers)
         # Every array the host writes for the device each step, in one buffer: one copy.
         self.staging = StagingBuffer(

@@ -49,3 +49,10 @@ def test_a_full_budget_step_replays_the_budget_graph(tiny_llama_dir: Path) -> No
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].token_ids for o in shorter] == [o.outputs[0].token_ids
                                                          for o in expected[:2]]
+
+
+def test_unset_the_option_follows_the_model_size(tiny_llama_dir: Path) -> None:
+    default = _llm(tiny_llama_dir, max_capture_size=64).engine_core.model_runner
+    assert BUDGET in default.captured_sizes[CudaGraphMode.PIECEWISE]  # a tiny model: captured
+    off = _llm(tiny_llama_dir, max_capture_size=64, budget_step_graph=False)
+    assert BUDGET not in off.engine_core.model_runner.captured_sizes[CudaGraphMode.PIECEWISE]

@@ -11,7 +11,8 @@ from pagedserve.config import (
     default_capture_sizes,
     default_piecewise_capture_sizes,
 )
-from pagedserve.worker.model_runner import capture_ladders
+from pagedserve.model.shape import ModelShape
+from pagedserve.worker.model_runner import HOST_BOUND_LAYER_FLOPS, capture_ladders
 
 
 def test_default_ladders() -> None:
@@ -58,15 +59,47 @@ def test_sizes_below_one_are_refused(field: str) -> None:
         CompilationConfig(**{field: (0, 8)})
 
 
-def test_budget_step_graph_adds_the_token_budget_as_an_exact_size() -> None:
-    def ladders(**kwargs):  # noqa: ANN202
-        budget = kwargs.pop("max_num_batched_tokens", 8192)
-        return capture_ladders(EngineConfig.from_kwargs(max_num_batched_tokens=budget, **kwargs))
+def _ladders(shape: ModelShape | None = None, **kwargs):  # noqa: ANN202
+    budget = kwargs.pop("max_num_batched_tokens", 8192)
+    config = EngineConfig.from_kwargs(max_num_batched_tokens=budget, **kwargs)
+    return capture_ladders(config, shape)
 
-    assert ladders().exact == []  # off by default
-    on = ladders(budget_step_graph=True)
+
+# Layer shapes (the vocab plays no part): Qwen3-0.6B (0.26 TFLOP per layer at 8,192 tokens)
+# and Llama-3-8B (3.57 TFLOP).
+QWEN3_0_6B = ModelShape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                        ffn=3072, vocab=151936)
+LLAMA_3_8B = ModelShape(num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                        ffn=14336, vocab=128256)
+
+
+def test_budget_step_graph_adds_the_token_budget_as_an_exact_size() -> None:
+    on = _ladders(budget_step_graph=True)
     assert on.exact == [8192] and on.piecewise == default_piecewise_capture_sizes(512)
-    assert ladders(budget_step_graph=True, max_num_batched_tokens=16384).exact == [16384]
+    assert _ladders(budget_step_graph=True, max_num_batched_tokens=16384).exact == [16384]
     # A budget the ladder already reaches needs no graph of its own.
-    assert ladders(budget_step_graph=True, max_num_batched_tokens=512).exact == []
-    assert ladders(budget_step_graph=True, max_num_batched_tokens=300).exact == []
+    assert _ladders(budget_step_graph=True, max_num_batched_tokens=512).exact == []
+    assert _ladders(budget_step_graph=True, max_num_batched_tokens=300).exact == []
+
+
+def test_unset_budget_step_graph_follows_the_model_shape() -> None:
+    assert _ladders(QWEN3_0_6B).exact == [8192]  # 0.26 TFLOP per layer: host-bound
+    assert _ladders(LLAMA_3_8B).exact == []  # 3.57 TFLOP per layer
+    assert _ladders().exact == []  # no shape yet: not decided, no graph
+    # The rule counts the budget's tokens: Qwen3-0.6B at 16,384 does 0.52 TFLOP per layer.
+    assert 2 * 16384 * QWEN3_0_6B.layer_matmul_params > HOST_BOUND_LAYER_FLOPS
+    assert _ladders(QWEN3_0_6B, max_num_batched_tokens=16384).exact == []
+    assert _ladders(LLAMA_3_8B, max_num_batched_tokens=1024).exact == [1024]
+
+
+def test_a_set_budget_step_graph_overrides_the_shape() -> None:
+    assert _ladders(LLAMA_3_8B, budget_step_graph=True).exact == [8192]
+    assert _ladders(QWEN3_0_6B, budget_step_graph=False).exact == []
+
+
+def test_the_loaded_model_decides_an_unset_budget_step_graph(make_runner) -> None:  # noqa: ANN001
+    runner = make_runner(max_num_batched_tokens=64, max_capture_size=16)
+    # The tiny Llama's budget step is far below the threshold; buffers stay as sized.
+    assert runner.capture_ladders.piecewise[-1] == 16
+    assert runner.capture_ladders.exact == [64]
+    assert runner.max_num_tokens == 64

@@ -19,7 +19,8 @@ from pagedserve.entrypoints.bench.common import (
     random_prompts,
     write_json,
 )
-from pagedserve.entrypoints.bench.roofline import ModelShape, decode_step_roofline, device_ceilings
+from pagedserve.entrypoints.bench.roofline import decode_step_roofline, device_ceilings
+from pagedserve.model.shape import ModelShape
 from pagedserve.sampling_params import SamplingParams
 
 

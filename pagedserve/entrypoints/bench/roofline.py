@@ -6,10 +6,9 @@ A workload's roofline time is the larger of
 where the bytes are the weights once per forward pass (a decode step reads every weight once,
 whatever its batch) plus every KV-cache read (each decode token reads its whole context).
 
-Per token, a dense decoder with L layers, hidden h, q heads H, kv heads K, head dim d,
-ffn f and vocab V has
-    P_matmul = L * (h*(H*d + 2*K*d) + H*d*h + 3*h*f) + V*h      (weights that multiply it)
-    matmul FLOPs = 2 * P_matmul
+Per token, a dense decoder with L layers, q heads H, kv heads K and head dim d has
+    matmul FLOPs = 2 * P_matmul                                  (P_matmul: the weights that
+                                                                  multiply it, model/shape.py)
     attention FLOPs at context c = 4 * L * H * d * c             (QK^T and PV)
     KV bytes per cached token = 2 * L * K * d * dtype_bytes
 """
@@ -22,51 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.model.shape import ModelShape
+
 # Measured on this project's H200 (see BENCHMARKS.md): device copy (read + write) and an
 # 8192^3 bf16 matmul on random data.
 MEASURED_CEILINGS = {"H200": (4.25e12, 800e12)}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    dtype_bytes: int = 2
-
-    @staticmethod
-    def from_hf_config(cfg, dtype_bytes: int = 2) -> ModelShape:  # noqa: ANN001
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return ModelShape(
-            cfg.num_hidden_layers, cfg.hidden_size, heads,
-            getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
-            cfg.intermediate_size, cfg.vocab_size, dtype_bytes,
-        )  # fmt: skip
-
-    @property
-    def matmul_params(self) -> int:
-        h, d = self.hidden, self.head_dim
-        per_layer = h * (self.num_heads * d + 2 * self.num_kv_heads * d)
-        per_layer += self.num_heads * d * h + 3 * h * self.ffn
-        return self.num_layers * per_layer + self.vocab * h
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes a forward pass must read: the matmul weights (the embedding rows read per
-        token and the norms are negligible)."""
-        return self.matmul_params * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    def attention_flops(self, context: float) -> float:
-        return 4.0 * self.num_layers * self.num_heads * self.head_dim * context
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from pagedserve.entrypoints.bench.common import (
     write_json,
 )
 from pagedserve.entrypoints.bench.gpu_busy import GpuBusySampler
-from pagedserve.entrypoints.bench.roofline import ModelShape, device_ceilings, throughput_roofline
+from pagedserve.entrypoints.bench.roofline import device_ceilings, throughput_roofline
+from pagedserve.model.shape import ModelShape
 from pagedserve.sampling_params import SamplingParams
 
 
