@@ -5,7 +5,7 @@
 Decode batches of the issue-11 workloads (64 requests at context 1024: target 2; 256 at 1500:
 the middle of target 3's decode; b256r: 256 at contexts uniform in 1000..2000, as target 3's
 decode sees them; b16 and b128 at 1024) and prefill steps (8 prompts of 1024 tokens: a step of
-target 3's prefill; 4 of 2048: target 4's), bf16 paged KV cache (block size 16, shuffled block
+target 3's prefill; 4 of 2048: target 4's; 2 of 8192 and 1 of 16384: long prompts), bf16 paged KV cache (block size 16, shuffled block
 tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (splits 0 below) and the
 split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and pipeline depth listed
 below, as KV bytes read per second against the card's copy bandwidth (session 7's variants with
@@ -39,7 +39,9 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 # requests, context (a pair: uniform in that range)
 DECODE = {"b64": (64, 1024), "b256": (256, 1500), "b256r": (256, (1000, 2000)),
           "b16": (16, 1024), "b128": (128, 1024)}
-PREFILL = {"p8x1024": (8, 1024), "p4x2048": (4, 2048)}  # prompts, prompt length
+# prompts, prompt length (p2x8192, p1x16384: long-context prompts, whole in one launch)
+PREFILL = {"p8x1024": (8, 1024), "p4x2048": (4, 2048), "p2x8192": (2, 8192),
+           "p1x16384": (1, 16384)}
 
 
 def graph_us(fn, launches: int = 10, reps: int = 15) -> float:
@@ -162,7 +164,7 @@ def sweep(b: dict, variants: list[Variant], work: float, ceiling: float):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenarios", default=",".join([*DECODE, *PREFILL]))
+    parser.add_argument("--scenarios", default=",".join([*DECODE, "p8x1024", "p4x2048"]))
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size")
     parser.add_argument("--variants", choices=["all", "tma"], default="all",
                         help="decode: every launch shape, or split-KV against the TMA kernel")
