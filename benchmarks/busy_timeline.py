@@ -37,12 +37,14 @@ import pstats
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from device_waits import DeviceWaitLog
 from host_overhead import PhaseTimer, instrument, split_phases
+from step_wrap import wrap_step
 
 from pagedserve.entrypoints.bench import throughput
 from pagedserve.entrypoints.bench.gpu_busy import busy_union_us
@@ -119,17 +121,16 @@ class FirstStepsProfile:
     functions to OUT/cprofile_first_steps.txt when the last of them ends."""
 
     def __init__(self, core, num_steps: int, out: Path) -> None:  # noqa: ANN001
-        self._core, self._step, self._left, self._out = core, core.step, num_steps, out
+        self._left, self._out = num_steps, out
         self._profile = cProfile.Profile()
-        if num_steps > 0:
-            core.step = self._profiled
+        self.remove = wrap_step(core, self._profiled) if num_steps > 0 else lambda: None
 
-    def _profiled(self):  # noqa: ANN202
+    def _profiled(self, step: Callable[[], object]) -> object:
         if self._left <= 0:  # done (another wrapper may still hold this one)
-            return self._step()
+            return step()
         self._profile.enable()
         try:
-            return self._step()
+            return step()
         finally:
             self._profile.disable()
             self._left -= 1
@@ -143,23 +144,20 @@ class FirstStepsProfile:
         stats.sort_stats("tottime").print_stats(40)
         (self._out / "cprofile_first_steps.txt").write_text(text.getvalue())
 
-    def remove(self) -> None:
-        if self._core.step == self._profiled:
-            self._core.step = self._step
-
 
 class StepLog:
-    """Wraps ``EngineCore.step``: (start s, end s, running requests) of every step."""
+    """Wraps ``EngineCore.step`` until ``remove()``: (start s, end s, running requests) of every
+    step."""
 
     def __init__(self, core) -> None:  # noqa: ANN001
         self.steps: list[tuple[float, float, int]] = []
-        self._core, self._step = core, core.step
-        core.step = self._logged
+        self._core = core
+        self.remove = wrap_step(core, self._logged)
 
-    def _logged(self):  # noqa: ANN202
+    def _logged(self, step: Callable[[], object]) -> object:
         running = len(self._core.scheduler.running)
         start = time.perf_counter()
-        out = self._step()
+        out = step()
         self.steps.append((start, time.perf_counter(), running))
         return out
 
@@ -254,7 +252,7 @@ def profiled_run(llm, workload: argparse.Namespace, compiles: CompileLog,  # noq
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
     waits_summary = None if waits is None else waits.remove()
-    llm.engine_core.step = log._step  # unwrap
+    log.remove()
     gc_summary = gc_log.remove()
     intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA]

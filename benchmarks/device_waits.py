@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from step_wrap import wrap_step
 
 import pagedserve
 
@@ -29,8 +31,8 @@ class DeviceWaitLog:
 
     def __init__(self, core, steps: list) -> None:  # noqa: ANN001
         self.events: list[dict] = []
-        self._core, self._step, self._steps = core, core.step, steps
-        core.step = self._watched
+        self._steps = steps
+        self._unwrap = wrap_step(core, self._watched)
         self._warnings = warnings.catch_warnings()
         self._warnings.__enter__()
         warnings.simplefilter("always")
@@ -38,9 +40,9 @@ class DeviceWaitLog:
         warnings.showwarning = self._on_warning
         torch.cuda.set_sync_debug_mode("warn")
 
-    def _watched(self):  # noqa: ANN202
+    def _watched(self, step: Callable[[], object]) -> object:
         before = torch.cuda.memory_stats().get("num_device_alloc", 0)
-        out = self._step()
+        out = step()
         allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
         if allocs:
             self.events.append({"step": len(self._steps) - 1, "kind": "cudaMalloc",
@@ -60,8 +62,7 @@ class DeviceWaitLog:
         """Uninstall; the events (first 60) and their count per kind."""
         torch.cuda.set_sync_debug_mode("default")
         self._warnings.__exit__(None, None, None)
-        if self._core.step == self._watched:
-            self._core.step = self._step
+        self._unwrap()
         counts: dict[str, int] = {}
         for e in self.events:
             counts[e["kind"]] = counts.get(e["kind"], 0) + 1
