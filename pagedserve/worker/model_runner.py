@@ -78,14 +78,16 @@ HOST_BOUND_LAYER_FLOPS = 0.5e12
 
 def wants_budget_graph(config: EngineConfig, shape: ModelShape | None) -> bool:
     """``budget_step_graph`` as set, or, unset, whether a full-budget step of ``shape`` is
-    small enough to be host-bound (no shape yet: not decided, no graph)."""
+    small enough to be host-bound (no shape yet: not decided, no graph). Under tensor
+    parallelism each rank's host launches every kernel for its share of the FLOPs."""
     asked = config.compilation.budget_step_graph
     if asked is not None:
         return asked
     if shape is None:
         return False
     budget = config.scheduler.max_num_batched_tokens
-    return 2 * budget * shape.layer_matmul_params <= HOST_BOUND_LAYER_FLOPS
+    rank_flops = 2 * budget * shape.layer_matmul_params / config.parallel.tensor_parallel_size
+    return rank_flops <= HOST_BOUND_LAYER_FLOPS
 
 
 def capture_ladders(config: EngineConfig, shape: ModelShape | None = None) -> CaptureLadders:

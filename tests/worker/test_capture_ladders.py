@@ -92,6 +92,13 @@ def test_unset_budget_step_graph_follows_the_model_shape() -> None:
     assert _ladders(LLAMA_3_8B, max_num_batched_tokens=1024).exact == [1024]
 
 
+def test_under_tensor_parallelism_the_rule_counts_one_rank_s_flops() -> None:
+    # Qwen3-0.6B at 16,384 tokens: 0.52 TFLOP per layer, 0.26 per rank on two.
+    assert _ladders(QWEN3_0_6B, max_num_batched_tokens=16384, tensor_parallel_size=2).exact == [
+        16384]
+    assert _ladders(LLAMA_3_8B, tensor_parallel_size=2).exact == []  # 1.8 TFLOP per rank
+
+
 def test_a_set_budget_step_graph_overrides_the_shape() -> None:
     assert _ladders(LLAMA_3_8B, budget_step_graph=True).exact == [8192]
     assert _ladders(QWEN3_0_6B, budget_step_graph=False).exact == []
