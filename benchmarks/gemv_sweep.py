@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from graph_timing import COPY_BANDWIDTH, graph_time_ms
 
 from pagedserve.kernels import gemv

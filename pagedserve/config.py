@@ -201,7 +201,7 @@ class CompilationConfig:
     host launching each kernel (Qwen3-0.6B on an H200: 26-78 ms of launches against ~19 ms of
     GPU work per 8,192-token step), and holds one such step's activations off the KV cache.
     Unset: captured when a budget step's linear layers do at most ``HOST_BOUND_LAYER_FLOPS``
-    per decoder layer and GPU (``worker/model_runner.py``: Qwen3-0.6B and smaller at 8,192
+    per decoder layer and GPU (``worker/cudagraph.py``: Qwen3-0.6B and smaller at 8,192
     tokens, not 1B and up)."""
 
     def __post_init__(self) -> None:

@@ -82,7 +82,7 @@ class CacheCounts:
     fx_bypasses: int = 0
 
     def __sub__(self, other: CacheCounts) -> CacheCounts:
-        return CacheCounts(*(a - b for a, b in zip(self.as_tuple(), other.as_tuple())))
+        return CacheCounts(*(a - b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
 
     def as_tuple(self) -> tuple[int, ...]:
         return (self.aot_hits, self.aot_misses, self.aot_bypasses, self.fx_hits,

@@ -64,5 +64,5 @@ def piece_key(piece: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{position[n]}")
         lines.append(f"{node.op}|{_target_name(node)}|{args!r}")
     indices = _storage_indices(example_inputs)
-    lines.extend(_input_meta(v, i) for v, i in zip(example_inputs, indices))
+    lines.extend(_input_meta(v, i) for v, i in zip(example_inputs, indices, strict=True))
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

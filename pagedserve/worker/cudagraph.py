@@ -13,7 +13,7 @@ costs little).
 - Anything else within the PIECEWISE ladder: PIECEWISE, the compiled pieces between attention
   ops, padded to the next PIECEWISE size in tokens only.
 - Above the PIECEWISE ladder, a step of exactly an *exact* size (``CaptureLadders.exact``: the
-  token budget with ``budget_step_graph``): PIECEWISE, unpadded. Nothing pads into an exact
+  token budget, where ``wants_budget_graph``): PIECEWISE, unpadded. Nothing pads into an exact
   size: above the ladder a step's GEMMs are compute-bound, so padding costs its share of GPU
   time, while the steps of a prompt burst fill the budget exactly.
 - Anything else, or with ``enforce_eager``: NONE (eager, no padding).
@@ -24,6 +24,9 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, field
+
+from pagedserve.config import EngineConfig
+from pagedserve.model.shape import ModelShape
 
 DECODE_QUERY_LEN = 1
 """Tokens a decode step runs per request (no speculative decoding)."""
@@ -114,3 +117,36 @@ def dispatch(
     if num_tokens in ladders.exact:
         return BatchDescriptor(CudaGraphMode.PIECEWISE, num_tokens, None)
     return BatchDescriptor(CudaGraphMode.NONE, num_tokens, None)
+
+
+# Linear-layer FLOPs per decoder layer of a full-budget step up to which the budget-step graph
+# is captured by default. Between the two shapes measured on the H200: Qwen3-0.6B at 8,192
+# tokens does 0.26 TFLOP per layer (~0.3 ms of GPU work, less than its hosts took to launch one
+# layer's kernels: 0.27-0.6 ms) and was host-bound; Llama-3-8B does 3.6 TFLOP (~4.5 ms) and was
+# not. Below it the graph's activations are small too (they grow with the same widths).
+HOST_BOUND_LAYER_FLOPS = 0.5e12
+
+
+def wants_budget_graph(config: EngineConfig, shape: ModelShape | None) -> bool:
+    """``budget_step_graph`` as set, or, unset, whether a full-budget step of ``shape`` is
+    small enough to be host-bound (no shape yet: not decided, no graph). Under tensor
+    parallelism each rank's host launches every kernel for its share of the FLOPs."""
+    asked = config.compilation.budget_step_graph
+    if asked is not None:
+        return asked
+    if shape is None:
+        return False
+    budget = config.scheduler.max_num_batched_tokens
+    rank_flops = 2 * budget * shape.layer_matmul_params / config.parallel.tensor_parallel_size
+    return rank_flops <= HOST_BOUND_LAYER_FLOPS
+
+
+def capture_ladders(config: EngineConfig, shape: ModelShape | None = None) -> CaptureLadders:
+    """The configured ladders, and the token budget as an exact PIECEWISE size where
+    ``wants_budget_graph`` and the ladder stops below the budget."""
+    compilation = config.compilation
+    full, piecewise = compilation.full_capture_sizes, compilation.piecewise_capture_sizes
+    budget = config.scheduler.max_num_batched_tokens
+    above_ladder = not piecewise or budget > piecewise[-1]
+    exact = [budget] if above_ladder and wants_budget_graph(config, shape) else []
+    return CaptureLadders(full, piecewise, exact)

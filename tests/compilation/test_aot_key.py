@@ -3,7 +3,6 @@ changes the trace differs."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagedserve.config import CacheConfig
 from pagedserve.compilation.phase_log import KV_BUDGET_FIELD
+from pagedserve.config import CacheConfig
 from pagedserve.worker import kv_cache, profile
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.profile import PROFILE_SAMPLING, profile_step
