@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import types
 import typing
 from dataclasses import dataclass, field
@@ -47,8 +48,38 @@ def _literal_fields(config_cls: type) -> dict[str, tuple[tuple[str, ...], bool]]
     return out
 
 
-def _check_choices(config: object) -> None:
-    """Every ``Literal`` field of ``config`` holds one of its values."""
+@functools.cache
+def _scalar_fields(config_cls: type) -> dict[str, tuple[type, bool]]:
+    """Field name -> (bool, int, float or str, whether None is allowed too)."""
+    out = {}
+    for name, tp in typing.get_type_hints(config_cls).items():
+        base = without_none(tp)
+        if base in (bool, int, float, str):
+            out[name] = (base, base is not tp)
+    return out
+
+
+def _holds(value: Any, tp: type) -> bool:
+    """Whether ``value`` is a ``tp`` (any integer for int, any real for float; a bool is
+    neither, though Python counts it as an int)."""
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, numbers.Integral)
+    if tp is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, tp)
+
+
+def _check_fields(config: object) -> None:
+    """Every bool, int, float and str field of ``config`` holds one (or None where the field
+    allows it), and every ``Literal`` field one of its values."""
+    for name, (tp, optional) in _scalar_fields(type(config)).items():
+        value = getattr(config, name)
+        _check(
+            _holds(value, tp) or (optional and value is None),
+            f"{name}: expected {tp.__name__}{' or None' if optional else ''}, got {value!r}",
+        )
     for name, (allowed, optional) in _literal_fields(type(config)).items():
         value = getattr(config, name)
         _check(
@@ -73,11 +104,11 @@ class ModelConfig:
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"),
             f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)",
         )
-        _check_choices(self)
         _check(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len: must be positive, got {self.max_model_len}",
@@ -98,6 +129,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _check(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size: must be a power of two up to 128, got {self.block_size}",
@@ -130,12 +162,12 @@ class SchedulerConfig:
     torch ops finish before the host goes on anyway."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _check(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         _check(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}",
         )
-        _check_choices(self)
 
 
 @dataclass(frozen=True)
@@ -144,7 +176,7 @@ class ParallelConfig:
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
 
     def __post_init__(self) -> None:
-        _check_choices(self)
+        _check_fields(self)
         _check(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}",
@@ -205,6 +237,7 @@ class CompilationConfig:
     tokens, not 1B and up)."""
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _check(self.max_capture_size >= 1, "max_capture_size: must be >= 1")
         for name in ("cudagraph_capture_sizes", "piecewise_cudagraph_capture_sizes"):
             sizes = getattr(self, name)
@@ -212,7 +245,6 @@ class CompilationConfig:
                 sizes is None or all(s >= 1 for s in sizes),
                 f"{name}: every size must be >= 1, got {sizes}",
             )
-        _check_choices(self)
 
     def uses_compile(self, device_type: str) -> bool:
         if self.enforce_eager or self.mode == "none":

@@ -1,11 +1,14 @@
-"""Config validation: every ``Literal`` field refuses other values, naming the field."""
+"""Config validation: every ``Literal`` field refuses other values, and every bool, int, float
+and str field other types, naming the field."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedserve.config import (
     CompilationConfig,
+    EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -36,3 +39,23 @@ def test_none_only_where_the_type_allows_it() -> None:
     assert ParallelConfig(distributed_executor_backend=None).distributed_executor_backend is None
     with pytest.raises(ValueError, match="^mode: None is not one of"):
         CompilationConfig(mode=None)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"enforce_eager": "yes"}, "enforce_eager"),
+    ({"budget_step_graph": 1}, "budget_step_graph"),
+    ({"max_num_seqs": 8.0}, "max_num_seqs"),
+    ({"max_model_len": "4k"}, "max_model_len"),
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"),
+    ({"seed": True}, "seed"),
+    ({"model": 3}, "model"),
+])
+def test_a_value_of_the_wrong_type_is_refused_naming_its_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_any_integer_or_real_fills_int_and_float_fields() -> None:
+    config = EngineConfig.from_kwargs(max_num_seqs=np.int64(8), gpu_memory_utilization=1,
+                                      budget_step_graph=None, max_model_len=None)
+    assert config.scheduler.max_num_seqs == 8 and config.cache.gpu_memory_utilization == 1
