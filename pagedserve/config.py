@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -279,7 +280,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "auto"
-    """auto | cpu | cuda."""
+    """auto | cpu | cuda | cuda:N."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _check(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N",
+        )
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:

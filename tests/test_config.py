@@ -59,3 +59,13 @@ def test_any_integer_or_real_fills_int_and_float_fields() -> None:
     config = EngineConfig.from_kwargs(max_num_seqs=np.int64(8), gpu_memory_utilization=1,
                                       budget_step_graph=None, max_model_len=None)
     assert config.scheduler.max_num_seqs == 8 and config.cache.gpu_memory_utilization == 1
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "gpu"])
+def test_an_unknown_device_is_refused_naming_the_field(device: str) -> None:
+    with pytest.raises(ValueError, match="^device: "):
+        EngineConfig.from_kwargs(device=device)
+
+
+def test_a_numbered_cuda_device_is_a_device() -> None:
+    assert EngineConfig.from_kwargs(device="cuda:1").device == "cuda:1"
