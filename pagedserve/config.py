@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 import re
-import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from pagedserve.field_types import check_field_types, without_none
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -29,14 +29,6 @@ def choices_of(config_cls: type, name: str) -> tuple[str, ...]:
     return _literal_fields(config_cls)[name][0]
 
 
-def without_none(tp: Any) -> Any:
-    """``X | None`` -> X; anything else unchanged."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        return next(a for a in args if a is not type(None))
-    return tp
-
-
 @functools.cache
 def _literal_fields(config_cls: type) -> dict[str, tuple[tuple[str, ...], bool]]:
     """Field name -> (allowed values, whether None is allowed too), for every field typed
@@ -49,38 +41,10 @@ def _literal_fields(config_cls: type) -> dict[str, tuple[tuple[str, ...], bool]]
     return out
 
 
-@functools.cache
-def _scalar_fields(config_cls: type) -> dict[str, tuple[type, bool]]:
-    """Field name -> (bool, int, float or str, whether None is allowed too)."""
-    out = {}
-    for name, tp in typing.get_type_hints(config_cls).items():
-        base = without_none(tp)
-        if base in (bool, int, float, str):
-            out[name] = (base, base is not tp)
-    return out
-
-
-def _holds(value: Any, tp: type) -> bool:
-    """Whether ``value`` is a ``tp`` (any integer for int, any real for float; a bool is
-    neither, though Python counts it as an int)."""
-    if tp is bool or isinstance(value, bool):
-        return tp is bool and isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, numbers.Integral)
-    if tp is float:
-        return isinstance(value, numbers.Real)
-    return isinstance(value, tp)
-
-
 def _check_fields(config: object) -> None:
     """Every bool, int, float and str field of ``config`` holds one (or None where the field
     allows it), and every ``Literal`` field one of its values."""
-    for name, (tp, optional) in _scalar_fields(type(config)).items():
-        value = getattr(config, name)
-        _check(
-            _holds(value, tp) or (optional and value is None),
-            f"{name}: expected {tp.__name__}{' or None' if optional else ''}, got {value!r}",
-        )
+    check_field_types(config)
     for name, (allowed, optional) in _literal_fields(type(config)).items():
         value = getattr(config, name)
         _check(

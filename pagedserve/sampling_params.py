@@ -4,10 +4,33 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.field_types import check_field_types, holds
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20
 _MAX_STOP_STRINGS = 64
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _token_biases(logit_bias: Any) -> dict[int, float]:
+    """``logit_bias`` as {token id: bias}; token ids may come as strings (JSON keys)."""
+    _check(isinstance(logit_bias, dict),
+           f"logit_bias: expected a dict of token id -> bias, got {logit_bias!r}")
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: {key!r} is not a token id") from None
+        _check(holds(bias, float), f"logit_bias: the bias for token {key!r} is not a number")
+        out[token] = float(bias)
+    return out
 
 
 @dataclass
@@ -37,14 +60,20 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, list | tuple),
+               f"stop: expected a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple)
+               and all(holds(t, int) for t in self.stop_token_ids),
+               f"stop_token_ids: expected a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _token_biases(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -77,8 +106,7 @@ class SamplingParams:
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
         ]
         for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+            _check(ok, msg)
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:

@@ -1,6 +1,10 @@
-"""SamplingParams.clone: an equal copy that shares no mutable field with the original."""
+"""SamplingParams.clone: an equal copy that shares no mutable field with the original; values
+of the wrong type refused, naming the field."""
 
 from __future__ import annotations
+
+import numpy as np
+import pytest
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -21,3 +25,28 @@ def test_clone_is_equal_and_owns_its_containers() -> None:
 def test_clone_without_logit_bias() -> None:
     twin = SamplingParams().clone()
     assert twin.logit_bias is None and twin == SamplingParams()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"temperature": "hot"}, "temperature: expected float"),
+    ({"max_tokens": 1.5}, "max_tokens: expected int or None"),
+    ({"top_k": True}, "top_k: expected int"),
+    ({"ignore_eos": "yes"}, "ignore_eos: expected bool"),
+    ({"seed": "x"}, "seed: expected int or None"),
+    ({"stop": 5}, "stop: expected a string or a list of strings"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids: expected a list of token ids"),
+    ({"logit_bias": {"a": 1.0}}, "logit_bias: 'a' is not a token id"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias: the bias for token '5' is not a number"),
+    ({"logit_bias": [1, 2]}, "logit_bias: expected a dict"),
+])
+def test_a_value_of_the_wrong_type_is_refused_naming_its_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{message}"):
+        SamplingParams(**kwargs)
+
+
+def test_json_shaped_values_are_taken_as_their_python_types() -> None:
+    params = SamplingParams(temperature=1, stop=("a", "b"), stop_token_ids=[np.int64(7)],
+                            logit_bias={"5": 2}, max_tokens=np.int64(9))
+    assert params.temperature == 1 and params.stop == ["a", "b"]
+    assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int
+    assert params.logit_bias == {5: 2.0}

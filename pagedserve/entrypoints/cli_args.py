@@ -22,7 +22,8 @@ import inspect
 import typing
 from typing import Any, Literal
 
-from pagedserve.config import EngineConfig, without_none
+from pagedserve.config import EngineConfig
+from pagedserve.field_types import without_none
 from pagedserve.sampling_params import SamplingParams
 
 SAMPLING_OPTIONS = (

@@ -1,0 +1,53 @@
+"""Type checks for dataclass fields typed ``bool``, ``int``, ``float`` or ``str`` (or one of
+them ``| None``): the engine config and ``SamplingParams`` refuse a value of another type with a
+``ValueError`` that names the field, instead of failing later somewhere less clear."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import types
+import typing
+from typing import Any
+
+
+def without_none(tp: Any) -> Any:
+    """``X | None`` -> X; anything else unchanged."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return tp
+
+
+@functools.cache
+def _scalar_fields(cls: type) -> dict[str, tuple[type, bool]]:
+    """Field name -> (bool, int, float or str, whether None is allowed too)."""
+    out = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        base = without_none(tp)
+        if base in (bool, int, float, str):
+            out[name] = (base, base is not tp)
+    return out
+
+
+def holds(value: Any, tp: type) -> bool:
+    """Whether ``value`` is a ``tp``: any integer for int, any real for float; a bool is
+    neither, though Python counts it as an int."""
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, numbers.Integral)
+    if tp is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, tp)
+
+
+def check_field_types(obj: object) -> None:
+    """Raise ValueError naming the first bool / int / float / str field of ``obj`` that holds
+    a value of another type (None passes where the field allows it)."""
+    for name, (tp, optional) in _scalar_fields(type(obj)).items():
+        value = getattr(obj, name)
+        if not (holds(value, tp) or (optional and value is None)):
+            raise ValueError(
+                f"{name}: expected {tp.__name__}{' or None' if optional else ''}, got {value!r}"
+            )
