@@ -199,7 +199,10 @@ def _is_token_ids(prompt: Any) -> bool:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
         return [prompts]  # type: ignore[list-item]
-    prompt_list = list(prompts)  # type: ignore[arg-type]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts: expected a string, a list of token ids, a dict or a list of "
+                         f"those, got {type(prompts).__name__}")
+    prompt_list = list(prompts)
     if not prompt_list:
         raise ValueError("prompts: no prompts given")
     return prompt_list
@@ -212,6 +215,9 @@ def _as_params_list(
         return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError("sampling_params: expected SamplingParams or a list of them, got "
+                         f"{type(sampling_params).__name__}")
     params_list = list(sampling_params)
     if len(params_list) != num_prompts:
         raise ValueError(

@@ -53,6 +53,9 @@ def test_max_tokens_none_fills_the_context(processor):
         ([1], SamplingParams(stop_token_ids=[10_000]), "stop_token_ids"),
         ([1], SamplingParams(logit_bias={10_000: 1.0}), "logit_bias"),
         ([1], SamplingParams(stop=["x"], detokenize=False), "stop"),
+        ([1, True], SamplingParams(), "prompt: expected a list of token ids"),
+        ({"prompt_token_ids": [1, "x"]}, SamplingParams(), "prompt_token_ids: expected"),
+        ({"prompt_token_ids": 7}, SamplingParams(), "prompt_token_ids: expected"),
     ],
 )
 def test_bad_input_names_the_field(processor, prompt, params, field):

@@ -83,6 +83,14 @@ def test_bad_input_runs_nothing(tiny):
         llm.generate(["a", "b" * 10], SamplingParams(max_tokens=127), use_tqdm=False)
     with pytest.raises(ValueError, match="^prompts"):
         llm.generate([], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="^prompts: expected .* got int"):
+        llm.generate(123, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="^sampling_params: expected .* got dict"):
+        llm.generate(["a", "b"], {"max_tokens": 2}, use_tqdm=False)
+    # The second prompt is bad: the first, valid, must not run either.
+    bad_ids = r"^prompt: expected a list of token ids \(ints\), got \[3, 'a'\]"
+    with pytest.raises(ValueError, match=bad_ids):
+        llm.generate([[1, 2], [3, "a"]], GREEDY, use_tqdm=False)
     assert not llm.engine_core.has_unfinished_requests()
 
 
