@@ -125,6 +125,8 @@ class InputProcessor:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content'")
+            if not isinstance(message["role"], str) or not isinstance(message["content"], str):
+                raise ValueError(f"messages[{i}]: 'role' and 'content' must be strings")
         tokenizer = self._require_tokenizer("messages")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("messages: the model's tokenizer has no chat template")

@@ -131,9 +131,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         a list of conversations, rendered with the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
+                             "dicts) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
-            self.input_processor.render_chat(list(c), add_generation_prompt) for c in conversations
+            self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c,
+                                             add_generation_prompt)
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 

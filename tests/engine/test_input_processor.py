@@ -125,5 +125,7 @@ def test_render_chat(processor, tokenizer):
     )
     with pytest.raises(ValueError, match=r"^messages\[0\]"):
         processor.render_chat([{"content": "no role"}])
+    with pytest.raises(ValueError, match=r"^messages\[1\]: 'role' and 'content' must be strings"):
+        processor.render_chat([{"role": "user", "content": "Hi"}, {"role": "user", "content": 5}])
     with pytest.raises(ValueError, match="^messages"):
         processor.render_chat([])

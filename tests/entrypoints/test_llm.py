@@ -73,6 +73,12 @@ def test_chat(tiny):
         use_tqdm=False,
     )
     assert len(outputs) == 2 and "Yo" in outputs[1].prompt
+    for bad in (123, [], "Hi"):
+        with pytest.raises(ValueError, match="^messages: expected a conversation"):
+            llm.chat(bad, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="^messages: expected a non-empty list"):
+        llm.chat([conversation, 5], GREEDY, use_tqdm=False)  # the second is no conversation
+    assert not llm.engine_core.has_unfinished_requests()
 
 
 def test_bad_input_runs_nothing(tiny):
