@@ -70,34 +70,36 @@ def default_model_file() -> Path:
     return path
 
 
-def locate(model: str) -> tuple[Path, Path | None]:
+def locate(model: str, field: str = "model") -> tuple[Path, Path | None]:
     """``model`` -> (folder, GGUF file or None). A folder holding exactly one ``.gguf`` and no
-    safetensors resolves to that file. Raises ``ValueError`` naming the missing path."""
+    safetensors resolves to that file. Raises ``ValueError`` naming ``field`` (the option the
+    path came from) and the missing path."""
     path = Path(model).expanduser()
     if not path.exists():
         if model in DEFAULT_MODEL_NAMES:
             gguf_file = default_model_file()
             return gguf_file.parent, gguf_file
         raise ValueError(
-            f"model: {path} does not exist (expected a Hugging Face folder, a .gguf file, "
+            f"{field}: {path} does not exist (expected a Hugging Face folder, a .gguf file, "
             f"or the default model's short name {DEFAULT_MODEL!r})"
         )
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"model: {path} is a file but not a .gguf file")
+            raise ValueError(f"{field}: {path} is a file but not a .gguf file")
         return path.parent, path
     if any(path.glob("*.gguf")) and not any(path.glob("*.safetensors")):
-        return path, single_gguf(path)
+        return path, single_gguf(path, field)
     return path, None
 
 
-def single_gguf(folder: Path) -> Path:
-    """The one ``.gguf`` file in ``folder``; ValueError if there are none or several."""
+def single_gguf(folder: Path, field: str = "model") -> Path:
+    """The one ``.gguf`` file in ``folder``; ValueError naming ``field`` if there are none or
+    several."""
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) != 1:
         names = ", ".join(g.name for g in ggufs) or "none"
         raise ValueError(
-            f"model: expected exactly one .gguf file in {folder}, found {names}; name the file"
+            f"{field}: expected exactly one .gguf file in {folder}, found {names}; name the file"
         )
     return ggufs[0]
 

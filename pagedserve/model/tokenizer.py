@@ -97,7 +97,10 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
 
 def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     """``model_config.tokenizer`` (a folder or ``.gguf`` file) if set, else the model's own."""
-    folder, gguf_file = locate(model_config.tokenizer or model_config.model)
+    if model_config.tokenizer:
+        folder, gguf_file = locate(model_config.tokenizer, "tokenizer")
+    else:
+        folder, gguf_file = locate(model_config.model)
     if gguf_file is not None:
         return tokenizer_from_gguf(gguf_file)
     return tokenizer_from_folder(folder)

@@ -17,6 +17,7 @@ from pagedserve.model import resolve
 from pagedserve.model.checkpoint import iterate_weights
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.resolve import CheckpointError, resolve_model
+from pagedserve.model.tokenizer import get_tokenizer
 from tests.model.paged_harness import greedy_generate
 
 CPU = torch.device("cpu")
@@ -103,8 +104,14 @@ def test_dummy_weights_are_seeded_and_need_only_config(tmp_path: Path) -> None:
 
 def test_missing_model_path_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
-    with pytest.raises(ValueError, match=f"{missing} does not exist"):
+    with pytest.raises(ValueError, match=f"^model: {missing} does not exist"):
         load_model(fp32(missing), CPU, torch.float32)
+
+
+def test_missing_tokenizer_path_is_named_as_the_tokenizer(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-tokenizer"
+    with pytest.raises(ValueError, match=f"^tokenizer: {missing} does not exist"):
+        get_tokenizer(ModelConfig(model=str(tmp_path), tokenizer=str(missing)))
 
 
 def test_folder_without_config_or_weights_is_named(tmp_path: Path) -> None:
