@@ -242,6 +242,8 @@ class InputProcessor:
 def _token_ids(field: str, ids: Any) -> list[int]:
     """``ids`` as a list of Python ints; ValueError naming ``field`` unless it is a list or
     tuple of integers (not bools)."""
+    if isinstance(ids, (list, tuple)) and all(type(t) is int for t in ids):
+        return list(ids)  # the common case, a C-speed check (bools are not ints here)
     if not isinstance(ids, (list, tuple)) or not all(holds(t, int) for t in ids):
         shown = repr(ids)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
