@@ -1,6 +1,7 @@
 """Type checks for dataclass fields typed ``bool``, ``int``, ``float`` or ``str`` (or one of
-them ``| None``): the engine config and ``SamplingParams`` refuse a value of another type with a
-``ValueError`` that names the field, instead of failing later somewhere less clear."""
+them ``| None``), and for lists of token ids: the engine config, ``SamplingParams`` and the
+prompts refuse a value of another type with a ``ValueError`` that names the field, instead of
+failing later somewhere less clear."""
 
 from __future__ import annotations
 
@@ -51,3 +52,15 @@ def check_field_types(obj: object) -> None:
             raise ValueError(
                 f"{name}: expected {tp.__name__}{' or None' if optional else ''}, got {value!r}"
             )
+
+
+def token_id_list(field: str, ids: Any) -> list[int]:
+    """``ids`` as a list of Python ints; ValueError naming ``field`` unless it is a list or
+    tuple of integers (not bools)."""
+    if isinstance(ids, (list, tuple)) and all(type(t) is int for t in ids):
+        return list(ids)  # the common case, a C-speed check (bools are not ints here)
+    if not isinstance(ids, (list, tuple)) or not all(holds(t, int) for t in ids):
+        shown = repr(ids)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ValueError(f"{field}: expected a list of token ids (ints), got {shown}")
+    return [int(t) for t in ids]

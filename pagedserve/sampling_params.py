@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.field_types import check_field_types, holds
+from pagedserve.field_types import check_field_types, holds, token_id_list
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20
@@ -66,10 +66,8 @@ class SamplingParams:
         _check(self.stop is None or isinstance(self.stop, list | tuple),
                f"stop: expected a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
-        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple)
-               and all(holds(t, int) for t in self.stop_token_ids),
-               f"stop_token_ids: expected a list of token ids, got {self.stop_token_ids!r}")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.stop_token_ids = token_id_list("stop_token_ids", ids)
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:

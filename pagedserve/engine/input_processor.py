@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.core.request import Request
-from pagedserve.field_types import holds
+from pagedserve.field_types import token_id_list
 from pagedserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -96,13 +96,13 @@ class InputProcessor:
             return prompt, list(self._require_tokenizer("prompt").encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                ids = _token_ids("prompt_token_ids", prompt["prompt_token_ids"])
+                ids = token_id_list("prompt_token_ids", prompt["prompt_token_ids"])
                 return prompt.get("prompt"), ids
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, (list, tuple)):
-            return None, _token_ids("prompt", prompt)
+            return None, token_id_list("prompt", prompt)
         raise ValueError(
             f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )
@@ -237,15 +237,3 @@ class InputProcessor:
         if params.seed is not None:
             child.seed = (params.seed + index) % 2**63
         return child
-
-
-def _token_ids(field: str, ids: Any) -> list[int]:
-    """``ids`` as a list of Python ints; ValueError naming ``field`` unless it is a list or
-    tuple of integers (not bools)."""
-    if isinstance(ids, (list, tuple)) and all(type(t) is int for t in ids):
-        return list(ids)  # the common case, a C-speed check (bools are not ints here)
-    if not isinstance(ids, (list, tuple)) or not all(holds(t, int) for t in ids):
-        shown = repr(ids)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ValueError(f"{field}: expected a list of token ids (ints), got {shown}")
-    return [int(t) for t in ids]
