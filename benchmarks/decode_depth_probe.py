@@ -175,38 +175,24 @@ def _measure(batch: DecodeBatch, ref: torch.Tensor, report: dict, label: str, fi
     return True
 
 
-def time_tma(out_dir: Path, block_size: int) -> None:
-    batch, ref, report = _setup(block_size)
-    name = "decode_depth_probe_tma.json" if block_size == BLOCK else \
-        f"decode_depth_probe_tma_b{block_size}.json"
-    for warps, stages, blocks in TMA_LAUNCHES[block_size]:
-        for per_sm in TMA_PER_SM:
-            programs = max(1, round(report["sms"] * per_sm))
-            once = functools.partial(launch_tma, batch.out, batch.q, batch.caches[0],
-                                     batch.block_table, batch.seq_lens, programs, warps, stages,
-                                     blocks)
-            fields = {"warps": warps, "stages": stages, "blocks_per_iter": blocks,
-                      "programs": programs}
-            label = f"tma w{warps} s{stages} b{blocks} G={programs}"
-            if not _measure(batch, ref, report, label, fields, once,
-                            batch.persistent_tma(programs, warps, stages, blocks)):
-                break
-        (out_dir / name).write_text(json.dumps(report, indent=1))
-
-
 # (tile_n, num_warps, num_stages) of the L2-prefetch sweep, block ids a tile ahead
 L2_LAUNCHES = [(64, 4, 3), (128, 4, 2), (64, 4, 2)]
 # (tile_n, num_warps, num_stages) of the swapped kernel (decode_swapped.py)
 SWAPPED_LAUNCHES = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 2)]
 PER_SM = (1 / 3, 2 / 3, 1, 2)
+Variant = tuple[str, dict, Callable[[DecodeBatch, int], None],
+                Callable[[DecodeBatch, int], Callable[[], None]]]
+"""(label, fields, launch(batch, programs) on layer 0, run(batch, programs) over 32 layers)."""
 
 
-def _sweep(out_dir: Path, name: str, variants: list[tuple[str, dict, Callable, Callable]]) -> None:
-    """Each variant (label, fields, launch(programs) on layer 0, run(programs) over the 32
-    layers) at ``PER_SM`` programs per SM; the report goes to ``out_dir / name``."""
-    batch, ref, report = _setup()
+def _sweep(out_dir: Path, name: str, variants: list[Variant],
+           per_sm_counts: tuple[float, ...] = PER_SM,
+           block_size: int = BLOCK) -> None:
+    """Each variant at ``per_sm_counts`` programs per SM (a count whose launch fails ends the
+    variant); the report goes to ``out_dir / name`` after each variant."""
+    batch, ref, report = _setup(block_size)
     for label, fields, once, run in variants:
-        for per_sm in PER_SM:
+        for per_sm in per_sm_counts:
             programs = max(1, round(report["sms"] * per_sm))
             if not _measure(batch, ref, report, f"{label} G={programs}",
                             {**fields, "programs": programs},
@@ -215,20 +201,39 @@ def _sweep(out_dir: Path, name: str, variants: list[tuple[str, dict, Callable, C
         (out_dir / name).write_text(json.dumps(report, indent=1))
 
 
-def time_l2_ahead(out_dir: Path, aheads: list[int]) -> None:
-    def variant(tile_n: int, warps: int, stages: int, ahead: int):
+def _gathered(tile_n: int, warps: int, stages: int, prefetch: bool, block_m: int, ahead: int,
+              label: str, fields: dict) -> Variant:
+    """``decode_batch.launch``'s kernel at one launch shape."""
+    def once(b: DecodeBatch, programs: int) -> None:
+        launch(b.out, b.q, b.caches[0], b.block_table, b.seq_lens, programs, tile_n, warps,
+               stages, prefetch, block_m, ahead)
+    return (label, fields, once, lambda b, programs: b.persistent(
+        programs, tile_n, warps, stages, prefetch, block_m, ahead))
+
+
+def time_tma(out_dir: Path, block_size: int) -> None:
+    def variant(warps: int, stages: int, blocks: int) -> Variant:
         def once(b: DecodeBatch, programs: int) -> None:
-            launch(b.out, b.q, b.caches[0], b.block_table, b.seq_lens, programs, tile_n, warps,
-                   stages, True, 16, ahead)
-        return (f"t{tile_n} w{warps} s{stages} l2_ahead={ahead}",
-                {"tile_n": tile_n, "warps": warps, "stages": stages, "l2_ahead": ahead}, once,
-                lambda b, programs: b.persistent(programs, tile_n, warps, stages, True, 16, ahead))
-    _sweep(out_dir, "decode_depth_probe_l2.json",
-           [variant(*x, a) for x in L2_LAUNCHES for a in aheads])
+            launch_tma(b.out, b.q, b.caches[0], b.block_table, b.seq_lens, programs, warps,
+                       stages, blocks)
+        return (f"tma w{warps} s{stages} b{blocks}",
+                {"warps": warps, "stages": stages, "blocks_per_iter": blocks}, once,
+                lambda b, programs: b.persistent_tma(programs, warps, stages, blocks))
+    name = "decode_depth_probe_tma.json" if block_size == BLOCK else \
+        f"decode_depth_probe_tma_b{block_size}.json"
+    _sweep(out_dir, name, [variant(*x) for x in TMA_LAUNCHES[block_size]], TMA_PER_SM,
+           block_size)
+
+
+def time_l2_ahead(out_dir: Path, aheads: list[int]) -> None:
+    _sweep(out_dir, "decode_depth_probe_l2.json", [
+        _gathered(t, w, s, True, 16, a, f"t{t} w{w} s{s} l2_ahead={a}",
+                  {"tile_n": t, "warps": w, "stages": s, "l2_ahead": a})
+        for t, w, s in L2_LAUNCHES for a in aheads])
 
 
 def time_swapped(out_dir: Path) -> None:
-    def variant(tile_n: int, warps: int, stages: int):
+    def variant(tile_n: int, warps: int, stages: int) -> Variant:
         def once(b: DecodeBatch, programs: int) -> None:
             launch_swapped(b.out, b.q, b.caches[0], b.block_table, b.seq_lens, programs, tile_n,
                            warps, stages)
@@ -242,21 +247,10 @@ def time_swapped(out_dir: Path) -> None:
 
 
 def time_variants(out_dir: Path) -> None:
-    batch, ref, report = _setup()
-    q, cache0, table, seq_lens = batch.q, batch.caches[0], batch.block_table, batch.seq_lens
-    for variant, prefetch in [(x, p) for x in LAUNCHES for p in (False, True)]:
-        tile_n, warps, stages, block_m = variant
-        for per_sm in (1 / 3, 2 / 3, 1, 2):
-            programs = max(1, round(report["sms"] * per_sm))
-            label = f"t{tile_n} w{warps} s{stages} m{block_m} prefetch={prefetch} G={programs}"
-            fields = {"tile_n": tile_n, "warps": warps, "stages": stages, "block_m": block_m,
-                      "prefetch": prefetch, "programs": programs}
-            once = functools.partial(launch, batch.out, q, cache0, table, seq_lens, programs,
-                                     tile_n, warps, stages, prefetch, block_m)
-            run = batch.persistent(programs, tile_n, warps, stages, prefetch, block_m)
-            if not _measure(batch, ref, report, label, fields, once, run):
-                break
-        (out_dir / "decode_depth_probe.json").write_text(json.dumps(report, indent=1))
+    _sweep(out_dir, "decode_depth_probe.json", [
+        _gathered(t, w, s, p, m, 0, f"t{t} w{w} s{s} m{m} prefetch={p}",
+                  {"tile_n": t, "warps": w, "stages": s, "block_m": m, "prefetch": p})
+        for (t, w, s, m), p in [(x, p) for x in LAUNCHES for p in (False, True)]])
 
 
 def main() -> None:
