@@ -2,7 +2,9 @@
 
 The layer does not hold per-step data. At call time it finds its ``AttentionMetadata`` and
 slot mapping in the forward context by ``layer_name`` (``model.layers.{i}.self_attn.attn``),
-writes the step's keys and values into its ``kv_cache`` and attends over it. The runner binds
+applies the rotary embedding to the step's queries and keys, writes the keys and values into
+its ``kv_cache`` and attends over it. Rotation and cache write are one backend call so that a
+GPU backend can do both in one kernel (one pass over q, k, v instead of three kernels). The runner binds
 the cache tensors and the backend once with ``bind_kv_caches``.
 """
 
@@ -37,41 +39,56 @@ class Attention(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, Hq * D], key and value [T, Hkv * D] -> [T, Hq * D].
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        """query [T, Hq * D], key and value [T, Hkv * D] (before rotary embedding), cos_sin
+        [T, D] (each token's cos half | sin half) -> [T, Hq * D].
 
         Rows past the metadata's ``num_actual_tokens`` (padding) are left unwritten.
         """
-        output = torch.empty_like(query)  # [T, Hq * D]
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, Hq * D]
         if torch.compiler.is_compiling():  # traced: the opaque op where the graph is split
-            torch.ops.pagedserve.unified_attention(query, key, value, output, self.layer_name)
+            torch.ops.pagedserve.unified_attention(
+                query, key, value, cos_sin, output, self.layer_name
+            )
         else:  # eager: the same body, without the custom-op dispatch (which imports dynamo)
-            attention_by_name(query, key, value, output, self.layer_name)
+            attention_by_name(query, key, value, cos_sin, output, self.layer_name)
         return output
 
 
 @torch.library.custom_op("pagedserve::unified_attention", mutates_args=("output",))
 def unified_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
 ) -> None:
     """The attention call as one opaque op: torch.compile splits the model graph here, and the
     op finds its layer (cache, backend) in the forward context by name."""
-    attention_by_name(query, key, value, output, layer_name)
+    attention_by_name(query, key, value, cos_sin, output, layer_name)
 
 
 @unified_attention.register_fake
-def _unified_attention_fake(query, key, value, output, layer_name) -> None:  # noqa: ANN001
+def _unified_attention_fake(query, key, value, cos_sin, output, layer_name) -> None:  # noqa: ANN001
     return None
 
 
 def attention_by_name(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer_name: str
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
 ) -> None:
     """The op's body: the layer named in the forward context attends and writes ``output``."""
     layer = get_forward_context().attn_layers.get(layer_name)
     if layer is None:
         raise RuntimeError(f"{layer_name}: not in the forward context's attn_layers")
-    paged_attention(layer, query, key, value, output)
+    paged_attention(layer, query, key, value, cos_sin, output)
 
 
 def paged_attention(
@@ -79,17 +96,19 @@ def paged_attention(
     query: torch.Tensor,  # [T, Hq * D]
     key: torch.Tensor,  # [T, Hkv * D]
     value: torch.Tensor,  # [T, Hkv * D]
+    cos_sin: torch.Tensor,  # [T, D]
     output: torch.Tensor,  # [T, Hq * D]
 ) -> None:
-    """The whole attention call, kept in one function: the future custom op / graph split."""
+    """The whole attention call: rotary embedding, cache write, attention."""
     if layer.kv_cache is None:
         raise RuntimeError(f"{layer.layer_name}: no KV cache bound (call bind_kv_caches first)")
     ctx = get_forward_context()
     metadata = ctx.attn_metadata[layer.layer_name]
     slot_mapping = ctx.slot_mapping[layer.layer_name]
     num_tokens = query.shape[0]
-    kv_shape = (num_tokens, layer.num_kv_heads, layer.head_dim)
-    layer.backend.write_kv(key.view(kv_shape), value.view(kv_shape), layer.kv_cache, slot_mapping)
+    query = layer.backend.rope_and_write_kv(
+        query, key, value, cos_sin, layer.kv_cache, slot_mapping
+    )  # rotated [T, Hq * D]
     layer.backend.forward(
         query.view(num_tokens, layer.num_heads, layer.head_dim),
         layer.kv_cache,

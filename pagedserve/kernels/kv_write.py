@@ -77,9 +77,14 @@ def _check_kv_write(
         )
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key/value: the head_dim axis must be contiguous")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < key.shape[0]:
+    check_slot_mapping(slot_mapping, key.shape[0])
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    """int64 with an entry for each of the step's tokens (a longer persistent buffer is fine)."""
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < num_tokens:
         raise ValueError(
-            f"slot_mapping: expected int64 with >= {key.shape[0]} entries, "
+            f"slot_mapping: expected int64 with >= {num_tokens} entries, "
             f"got {slot_mapping.dtype} [{slot_mapping.shape[0]}]"
         )
 

@@ -109,15 +109,26 @@ class RotaryEmbedding(nn.Module):
         self, cos_sin: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_sin [T, D] from ``cos_sin``; query [T, Hq * D], key [T, Hkv * D] -> rotated."""
-        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D / 2]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]: broadcast over heads
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return rotate_neox(cos_sin, query, key)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Split the last dimension only: the token count may be an unbacked compile-time size.
-        x1, x2 = x.unflatten(-1, (-1, self.head_dim)).chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.flatten(-2)
+
+def rotate_neox(
+    cos_sin: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_sin [T, D] (cos half | sin half); query [T, Hq * D], key [T, Hkv * D] -> rotated,
+    same shapes. The torch code of the rotation: the model's attention layer calls it on the
+    CPU; on CUDA ``kernels/rope_kv_write.py`` does the same with the same rounding."""
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D / 2]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]: broadcast over heads
+    head_dim = cos_sin.shape[-1]
+    return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    # Split the last dimension only: the token count may be an unbacked compile-time size.
+    x1, x2 = x.unflatten(-1, (-1, head_dim)).chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.flatten(-2)
 
 
 def get_rope(

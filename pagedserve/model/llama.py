@@ -26,7 +26,7 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.layers.logits import LogitsProcessor
-from pagedserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_hf_config
+from pagedserve.layers.rotary import get_rope, rope_parameters_from_hf_config
 from pagedserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.model.weight_mapping import load_checkpoint_weights
 
@@ -77,7 +77,6 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         hf_config: Any,
-        rotary_emb: RotaryEmbedding,
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
@@ -94,7 +93,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             num_heads * head_dim, hidden, o_bias, dtype, device, tp.rank, tp.size, tp.all_reduce
         )
-        self.rotary_emb = rotary_emb
         self.head_dim = head_dim
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
@@ -123,8 +121,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb.rotate(cos_sin, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, cos_sin))  # rotary embedding in the attention op
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -132,7 +129,6 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hf_config: Any,
         attention_cls: type[LlamaAttention],
-        rotary_emb: RotaryEmbedding,
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
@@ -140,9 +136,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = attention_cls(
-            hf_config, rotary_emb, f"{prefix}.self_attn", dtype, device, tp
-        )
+        self.self_attn = attention_cls(hf_config, f"{prefix}.self_attn", dtype, device, tp)
         self.mlp = LlamaMLP(hf_config, dtype, device, tp)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
@@ -177,8 +171,8 @@ class LlamaModel(nn.Module):
             hf_config.vocab_size, hidden, dtype, device, tp.rank, tp.size, tp.all_reduce
         )
         rope_parameters = rope_parameters_from_hf_config(hf_config)
-        # One rotary module (one cos/sin cache) shared by every layer.
-        self.rotary_emb = rotary_emb = get_rope(
+        # One rotary module (one cos/sin cache); its cos | sin rows go to every attention op.
+        self.rotary_emb = get_rope(
             head_dim_of(hf_config),
             hf_config.max_position_embeddings,
             rope_parameters,
@@ -186,9 +180,7 @@ class LlamaModel(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                hf_config, attention_cls, rotary_emb, f"{prefix}.layers.{i}", dtype, device, tp
-            )
+            LlamaDecoderLayer(hf_config, attention_cls, f"{prefix}.layers.{i}", dtype, device, tp)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)

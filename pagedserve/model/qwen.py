@@ -12,7 +12,6 @@ import torch
 
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.model.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -28,13 +27,12 @@ class Qwen3Attention(LlamaAttention):
     def __init__(
         self,
         hf_config: Any,
-        rotary_emb: RotaryEmbedding,
         prefix: str,
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup,
     ) -> None:
-        super().__init__(hf_config, rotary_emb, prefix, dtype, device, tp)
+        super().__init__(hf_config, prefix, dtype, device, tp)
         self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
 

@@ -10,6 +10,7 @@ from pagedserve.attention.backends.base import PAD_SLOT_ID, AttentionMetadata
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.forward_context import ForwardContext, set_forward_context
 from pagedserve.attention.layer import Attention, attention_layers, bind_kv_caches
+from pagedserve.layers.rotary import get_rope, rotate_neox
 from pagedserve.model.llama import LlamaForCausalLM
 
 NAME = "model.layers.0.self_attn.attn"
@@ -29,19 +30,24 @@ def _metadata() -> AttentionMetadata:
     )
 
 
-def test_forward_writes_cache_and_attends() -> None:
+def test_forward_rotates_writes_cache_and_attends() -> None:
     layer = Attention(num_heads=4, head_dim=8, scale=0.3, num_kv_heads=2, layer_name=NAME)
     kv_cache = torch.zeros(layer.kv_cache_shape(num_blocks=3, block_size=4))
     bind_kv_caches(layer, {NAME: kv_cache}, TorchRefBackend())
     q, k, v = torch.randn(4, 32), torch.randn(4, 16), torch.randn(4, 16)
+    rope = get_rope(8, 16, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32,
+                    torch.device("cpu"))  # fmt: skip
+    cos_sin = rope.cos_sin(torch.tensor([0, 1, 2, 0]))  # [4, 8]; the last row is padding
     metadata = _metadata()
     ctx = ForwardContext(
         {NAME: metadata}, {NAME: metadata.slot_mapping}, num_tokens=4, attn_layers={NAME: layer}
     )
     with set_forward_context(ctx):
-        out = layer(q, k, v)
+        out = layer(q, k, v, cos_sin)
 
     assert out.shape == (4, 32)
+    q, k = rotate_neox(cos_sin, q, k)  # the cache and the attention see rotated keys
+    assert not torch.equal(k[1:3], torch.zeros(2, 16)) and q.shape == (4, 32)
     torch.testing.assert_close(kv_cache[0, 1, :3], k[:3].view(3, 2, 8))
     torch.testing.assert_close(kv_cache[1, 1, :3], v[:3].view(3, 2, 8))
     assert not kv_cache[:, 1, 3].any() and not kv_cache[:, [0, 2]].any()
@@ -60,14 +66,14 @@ def test_forward_needs_context_and_cache() -> None:
     layer = Attention(4, 8, 0.3, 2, NAME)
     x = torch.randn(1, 32)
     with pytest.raises(RuntimeError, match="no forward context"):
-        layer(x, x[:, :16], x[:, :16])
+        layer(x, x[:, :16], x[:, :16], x[:, :8])
     metadata = _metadata()
     ctx = ForwardContext({NAME: metadata}, {NAME: metadata.slot_mapping}, num_tokens=1)
     with set_forward_context(ctx), pytest.raises(RuntimeError, match="not in the forward context"):
-        layer(x, x[:, :16], x[:, :16])
+        layer(x, x[:, :16], x[:, :16], x[:, :8])
     ctx.attn_layers[NAME] = layer
     with set_forward_context(ctx), pytest.raises(RuntimeError, match="no KV cache bound"):
-        layer(x, x[:, :16], x[:, :16])
+        layer(x, x[:, :16], x[:, :16], x[:, :8])
 
 
 def test_bind_kv_caches_errors() -> None:

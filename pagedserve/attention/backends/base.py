@@ -53,6 +53,20 @@ class AttentionBackend(Protocol):
         """Scatter the step's keys and values into the cache; rows with slot -1 write nothing."""
         ...
 
+    def rope_and_write_kv(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        cos_sin: torch.Tensor,  # [num_tokens, head_dim]: cos half | sin half
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]
+    ) -> torch.Tensor:
+        """Rotate queries and keys (neox rotary embedding, ``layers/rotary.py``), scatter the
+        rotated keys and the values like ``write_kv``; returns the rotated queries
+        [num_tokens, num_heads * head_dim]."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

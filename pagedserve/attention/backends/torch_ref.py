@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backends.base import AttentionMetadata
+from pagedserve.layers.rotary import rotate_neox
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,20 @@ class TorchRefBackend:
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
         kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
         kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def rope_and_write_kv(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        cos_sin: torch.Tensor,  # [num_tokens, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [num_tokens]
+    ) -> torch.Tensor:
+        query, key = rotate_neox(cos_sin, query, key)
+        kv_shape = (key.shape[0], kv_cache.shape[3], kv_cache.shape[4])
+        self.write_kv(key.view(kv_shape), value.reshape(kv_shape), kv_cache, slot_mapping)
+        return query
 
     def forward(
         self,
