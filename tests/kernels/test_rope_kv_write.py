@@ -43,9 +43,11 @@ def test_matches_the_torch_backend(dtype, num_heads, num_kv_heads, head_dim) -> 
     cache = kv_cache.to(DEVICE)
     on = [t.to(DEVICE) for t in (q, k, v, cos_sin)]
     got_q = rope_and_write_kv(*on, cache, slots.to(DEVICE))
-    # Same roundings as the eager torch code: equal, not close.
-    assert torch.equal(got_q.cpu(), want_q)
-    assert torch.equal(cache.cpu(), want_cache)
+    # Same roundings as the eager torch code: equal under the interpreter. The GPU compile
+    # may differ by one rounding step.
+    tol = 0 if not ON_GPU else {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(got_q.cpu(), want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache.cpu(), want_cache, atol=tol, rtol=tol)
     assert (cache.cpu()[:, 0, 1] == 99.0).all()  # padding rows and unused slots untouched
 
 
