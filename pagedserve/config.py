@@ -14,14 +14,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedserve.field_types import check_field_types, without_none
+from pagedserve.field_types import check_field_types, require, without_none
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def choices_of(config_cls: type, name: str) -> tuple[str, ...]:
@@ -47,7 +42,7 @@ def _check_fields(config: object) -> None:
     check_field_types(config)
     for name, (allowed, optional) in _literal_fields(type(config)).items():
         value = getattr(config, name)
-        _check(
+        require(
             value in allowed or (optional and value is None),
             f"{name}: {value!r} is not one of {', '.join(allowed)}",
         )
@@ -70,11 +65,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _check(
+        require(
             self.dtype in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"),
             f"dtype: unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)",
         )
-        _check(
+        require(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len: must be positive, got {self.max_model_len}",
         )
@@ -95,16 +90,16 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _check(
+        require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size: must be a power of two up to 128, got {self.block_size}",
         )
-        _check(
+        require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}",
         )
-        _check(self.kv_cache_memory > 0, "kv_cache_memory: must be positive")
-        _check(
+        require(self.kv_cache_memory > 0, "kv_cache_memory: must be positive")
+        require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
             f"num_gpu_blocks_override: needs at least 2 blocks (one is the null block), "
             f"got {self.num_gpu_blocks_override}",
@@ -128,8 +123,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _check(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        _check(
+        require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}",
         )
@@ -142,7 +137,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _check(
+        require(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}",
         )
@@ -203,10 +198,10 @@ class CompilationConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _check(self.max_capture_size >= 1, "max_capture_size: must be >= 1")
+        require(self.max_capture_size >= 1, "max_capture_size: must be >= 1")
         for name in ("cudagraph_capture_sizes", "piecewise_cudagraph_capture_sizes"):
             sizes = getattr(self, name)
-            _check(
+            require(
                 sizes is None or all(s >= 1 for s in sizes),
                 f"{name}: every size must be >= 1, got {sizes}",
             )
@@ -248,7 +243,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _check(
+        require(
             re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
             f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N",
         )

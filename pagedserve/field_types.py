@@ -12,6 +12,12 @@ import typing
 from typing import Any
 
 
+def require(ok: bool, msg: str) -> None:
+    """Raise ``ValueError(msg)`` unless ``ok``: the one-line field checks of the configs."""
+    if not ok:
+        raise ValueError(msg)
+
+
 def without_none(tp: Any) -> Any:
     """``X | None`` -> X; anything else unchanged."""
     args = typing.get_args(tp)

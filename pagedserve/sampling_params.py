@@ -6,21 +6,16 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.field_types import check_field_types, holds, token_id_list
+from pagedserve.field_types import check_field_types, holds, require, token_id_list
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20
 _MAX_STOP_STRINGS = 64
 
 
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
 def _token_biases(logit_bias: Any) -> dict[int, float]:
     """``logit_bias`` as {token id: bias}; token ids may come as strings (JSON keys)."""
-    _check(isinstance(logit_bias, dict),
+    require(isinstance(logit_bias, dict),
            f"logit_bias: expected a dict of token id -> bias, got {logit_bias!r}")
     out = {}
     for key, bias in logit_bias.items():
@@ -28,7 +23,7 @@ def _token_biases(logit_bias: Any) -> dict[int, float]:
             token = int(key)
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias: {key!r} is not a token id") from None
-        _check(holds(bias, float), f"logit_bias: the bias for token {key!r} is not a number")
+        require(holds(bias, float), f"logit_bias: the bias for token {key!r} is not a number")
         out[token] = float(bias)
     return out
 
@@ -63,7 +58,7 @@ class SamplingParams:
         check_field_types(self)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.stop is None or isinstance(self.stop, list | tuple),
+        require(self.stop is None or isinstance(self.stop, list | tuple),
                f"stop: expected a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
@@ -104,7 +99,7 @@ class SamplingParams:
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
         ]
         for ok, msg in checks:
-            _check(ok, msg)
+            require(ok, msg)
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:
