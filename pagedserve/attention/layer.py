@@ -4,8 +4,8 @@ The layer does not hold per-step data. At call time it finds its ``AttentionMeta
 slot mapping in the forward context by ``layer_name`` (``model.layers.{i}.self_attn.attn``),
 applies the rotary embedding to the step's queries and keys, writes the keys and values into
 its ``kv_cache`` and attends over it. Rotation and cache write are one backend call so that a
-GPU backend can do both in one kernel (one pass over q, k, v instead of three kernels). The runner binds
-the cache tensors and the backend once with ``bind_kv_caches``.
+GPU backend can do both in one kernel (one pass over q, k, v instead of three kernels). The
+runner binds the cache tensors and the backend once with ``bind_kv_caches``.
 """
 
 from __future__ import annotations

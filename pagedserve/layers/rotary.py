@@ -116,8 +116,8 @@ def rotate_neox(
     cos_sin: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos_sin [T, D] (cos half | sin half); query [T, Hq * D], key [T, Hkv * D] -> rotated,
-    same shapes. The torch code of the rotation: the model's attention layer calls it on the
-    CPU; on CUDA ``kernels/rope_kv_write.py`` does the same with the same rounding."""
+    same shapes. The torch code of the rotation, which the torch attention backends run inside
+    the attention op; on CUDA ``kernels/rope_kv_write.py`` does the same with the same rounding."""
     cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D / 2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D / 2]: broadcast over heads
     head_dim = cos_sin.shape[-1]
