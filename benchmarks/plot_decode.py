@@ -37,7 +37,15 @@ def tokens_per_s(step_ms: dict[int, float]) -> tuple[list[int], list[float]]:
     return batches, [b / step_ms[b] * 1e3 for b in batches]
 
 
-def plot(sweep: dict[int, float], out: Path, before: dict[int, float] | None = None) -> None:
+BEFORE_LABEL = "pagedserve, compiled forward at batch 1 too (--one-token-step compiled)"
+
+
+def plot(
+    sweep: dict[int, float],
+    out: Path,
+    before: dict[int, float] | None = None,
+    before_label: str = BEFORE_LABEL,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,8 +59,7 @@ def plot(sweep: dict[int, float], out: Path, before: dict[int, float] | None = N
         ("roofline (4.25 TB/s, 800 TFLOP/s)", roof, "k--"),
         ("cuBLAS linear layers + LM head, one graph (no attention)", CUBLAS_GRAPH_MS, "s:"),
         ("pagedserve (engine step, async scheduling)", sweep, "o-"),
-        *([("pagedserve, compiled forward at batch 1 too (--one-token-step compiled)", before,
-            "o:")] if before else []),
+        *([(before_label, before, "o:")] if before else []),
         ("gpt-fast", GPT_FAST_MS, "^-"),
         ("transformers eager", TRANSFORMERS_EAGER_MS, "v"),
     ]
@@ -80,11 +87,13 @@ def main() -> None:
     parser.add_argument("--out", default="decode_throughput.png")
     parser.add_argument("--before", help="a second profile.json, drawn dotted (e.g. the same "
                                          "sweep with --one-token-step compiled)")
+    parser.add_argument("--before-label", default=BEFORE_LABEL,
+                        help="the legend of the --before sweep")
     args = parser.parse_args()
     sweeps = [json.loads(Path(p).read_text())["sweep"] for p in (args.profile_json, args.before)
               if p is not None]
     as_ms = [{int(b): float(ms) for b, ms in s.items()} for s in sweeps]
-    plot(as_ms[0], Path(args.out), as_ms[1] if len(as_ms) > 1 else None)
+    plot(as_ms[0], Path(args.out), as_ms[1] if len(as_ms) > 1 else None, args.before_label)
 
 
 if __name__ == "__main__":
