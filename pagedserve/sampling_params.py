@@ -16,7 +16,7 @@ _MAX_STOP_STRINGS = 64
 def _token_biases(logit_bias: Any) -> dict[int, float]:
     """``logit_bias`` as {token id: bias}; token ids may come as strings (JSON keys)."""
     require(isinstance(logit_bias, dict),
-           f"logit_bias: expected a dict of token id -> bias, got {logit_bias!r}")
+            f"logit_bias: expected a dict of token id -> bias, got {logit_bias!r}")
     out = {}
     for key, bias in logit_bias.items():
         try:
@@ -59,7 +59,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         require(self.stop is None or isinstance(self.stop, list | tuple),
-               f"stop: expected a string or a list of strings, got {self.stop!r}")
+                f"stop: expected a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         self.stop_token_ids = token_id_list("stop_token_ids", ids)
