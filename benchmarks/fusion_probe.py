@@ -9,8 +9,9 @@ Llama-3-8B shapes, bf16, each timed as the engine runs it (a CUDA graph of 10 ca
   ``layers/activation.py`` compiled by Inductor (what the engine runs today) against
   ``kernels/silu_and_mul.py`` at several block sizes and warp counts;
 - the rotary embedding of q and k plus the KV-cache write: Inductor's rotation (the model's
-  ``RotaryEmbedding.rotate`` on the qkv output, compiled) followed by ``kernels/kv_write.py``,
-  against ``kernels/rope_kv_write.py`` doing both in one kernel;
+  ``RotaryEmbedding.rotate`` on the qkv output, compiled) followed by the engine's cache-write
+  kernel before session 11 (kept here as ``old_write_kv``), against
+  ``kernels/rope_kv_write.py`` doing both in one kernel;
 - the card's read rate (unless ``--skip-read``): a Triton kernel summing a 4 GiB buffer with G
   programs, ``torch.sum`` and a device copy, to show how far a memory-bound kernel that only
   reads (decode attention) can go beyond the copy bandwidth the roofline uses.
@@ -31,13 +32,72 @@ import triton
 import triton.language as tl
 from graph_timing import COPY_BANDWIDTH, graph_time_ms, median_ms
 
-from pagedserve.kernels.kv_write import write_kv
 from pagedserve.kernels.rope_kv_write import rope_and_write_kv
 from pagedserve.kernels.silu_and_mul import silu_and_mul
 from pagedserve.layers.rotary import get_rope
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4096, 14336, 32, 8, 128, 16
 CALLS = 10
+
+
+@triton.jit
+def _kv_write_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # int64 [>= num_tokens]
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
+    stride_kc_block,
+    stride_kc_off,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_off,
+    stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        # PAD_SLOT_ID: a padding row, nothing lands in the cache.
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+
+    key = tl.load(key_ptr + token * stride_key_tok + heads * stride_key_head + dims, mask=mask)
+    kc_row = key_cache_ptr + block * stride_kc_block + offset * stride_kc_off
+    tl.store(kc_row + heads * stride_kc_head + dims, key, mask=mask)
+
+    value_off = token * stride_value_tok + heads * stride_value_head + dims
+    value = tl.load(value_ptr + value_off, mask=mask)
+    vc_row = value_cache_ptr + block * stride_vc_block + offset * stride_vc_off
+    tl.store(vc_row + heads * stride_vc_head + dims, value, mask=mask)
+
+
+def old_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """The engine's cache write before session 11 (``kernels/kv_write.py``, removed when the
+    fused kernel took its place): key, value [T, Hkv, D] to their slots, one program per token."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    _kv_write_kernel[(key.shape[0],)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_KV_HEADS=key.shape[1], HEAD_DIM=key.shape[2],
+        KV_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
+        HEAD_DIM_PAD=triton.next_power_of_2(key.shape[2]), BLOCK_SIZE=kv_cache.shape[2],
+    )  # fmt: skip
 
 
 def per_call_us(fn) -> float:  # noqa: ANN001
@@ -82,7 +142,7 @@ def rope_rows(rows: int) -> dict:
 
     def unfused() -> torch.Tensor:
         q, k, v = compiled(qkv, cos_sin)
-        write_kv(k.view(kv_shape), v.view(kv_shape), cache, slots)
+        old_write_kv(k.view(kv_shape), v.view(kv_shape), cache, slots)
         return q
 
     def fused() -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Triton kernels: input preparation and slot mapping (``input_prep``), the KV-cache write
-(``kv_write``), paged attention (``paged_attention``, ``paged_attention_split``) and sampling
-(``sampling_gumbel``: temperature + seeded Gumbel-max; ``sampling_truncation``: top-k / top-p /
-min-p cuts without a sort).
+"""Triton kernels: input preparation and slot mapping (``input_prep``), the rotary embedding
+with the KV-cache write (``rope_kv_write``), paged attention (``paged_attention``,
+``paged_attention_split``), the decoder layer's residual add + RMSNorm (``rms_norm``) and
+SiLU-and-mul (``silu_and_mul``), batch-1 GEMVs (``gemv``) and sampling (``sampling_gumbel``:
+temperature + seeded Gumbel-max; ``sampling_truncation``: top-k / top-p / min-p cuts without
+a sort).
 
 Integer arguments that change from step to step (``num_reqs``, padded token counts) are marked
 ``do_not_specialize``: Triton otherwise compiles a new variant of the kernel the first time such

@@ -1,5 +1,6 @@
 """Pieces shared by the paged-attention kernels: the key-tile loop with online softmax, and the
-host-side checks of the tensors every attention launch receives.
+host-side checks of the tensors every attention launch receives (the cache's layout is checked
+by the cache-writing kernels too).
 
 Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` and exponentiated
 with ``exp2``; the running maximum ``m`` and sum ``l`` are kept in fp32, in that domain.
@@ -10,8 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from pagedserve.kernels.kv_write import check_kv_cache
 
 LOG2_E = 1.4426950408889634
 
@@ -166,6 +165,17 @@ def dot_operand_dtype(tensor: torch.Tensor) -> tl.dtype:
 def dot_precision(dtype: tl.dtype) -> str:
     """fp32 models get exact fp32 products (no TF32), so they match the torch reference."""
     return "ieee" if dtype == tl.float32 else "tf32"
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    """The layout every kernel assumes: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache: expected [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.stride(4) != 1:
+        raise ValueError("kv_cache: the head_dim axis must be contiguous")
 
 
 def check_attention_args(

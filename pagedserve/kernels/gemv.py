@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.kv_write import check_kv_cache
+from pagedserve.kernels.attention_common import check_kv_cache
 
 EPILOGUE_STORE = tl.constexpr(0)  # out = acc (+ bias) (+ residual)
 EPILOGUE_SILU_MUL = tl.constexpr(1)  # out = silu(acc_gate) * acc_up

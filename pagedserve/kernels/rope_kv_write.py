@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.kv_write import check_kv_cache, check_slot_mapping
+from pagedserve.kernels.attention_common import check_kv_cache
 
 
 @triton.jit
@@ -118,7 +118,11 @@ def _check(
         raise ValueError(f"query/key/value: dtype must be the cache's {kv_cache.dtype}")
     if any(t.stride(1) != 1 for t in (query, key, value, cos_sin)):
         raise ValueError("query/key/value/cos_sin: the feature axis must be contiguous")
-    check_slot_mapping(slot_mapping, num_tokens)
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping: expected int64 with >= {num_tokens} entries (a longer persistent "
+            f"buffer is fine), got {slot_mapping.dtype} [{slot_mapping.shape[0]}]"
+        )
 
 
 def rope_and_write_kv(

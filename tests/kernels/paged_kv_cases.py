@@ -85,7 +85,7 @@ def make_paged_batch(
 
 
 def write_step_kv(batch: PagedBatch) -> None:
-    """Reference cache write of the step's own keys (what write_kv must do)."""
+    """Reference cache write of the step's own keys (what a backend's cache write must do)."""
     flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[3:])
     real = batch.metadata.slot_mapping != PAD_SLOT_ID
     flat[0, batch.metadata.slot_mapping[real]] = batch.new_keys[real]

@@ -34,7 +34,8 @@ def _case(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
 
 @pytest.mark.parametrize(
     "dtype,num_heads,num_kv_heads,head_dim",
-    [(torch.bfloat16, 4, 2, 64), (torch.float16, 3, 1, 80), (torch.float32, 6, 3, 32)],
+    [(torch.bfloat16, 4, 2, 64), (torch.float16, 3, 1, 80), (torch.float32, 6, 3, 32),
+     (torch.bfloat16, 6, 3, 80)],
 )
 def test_matches_the_torch_backend(dtype, num_heads, num_kv_heads, head_dim) -> None:  # noqa: ANN001
     q, k, v, cos_sin, kv_cache, slots = _case(dtype, num_heads, num_kv_heads, head_dim)
@@ -49,6 +50,20 @@ def test_matches_the_torch_backend(dtype, num_heads, num_kv_heads, head_dim) -> 
     torch.testing.assert_close(got_q.cpu(), want_q, atol=tol, rtol=tol)
     torch.testing.assert_close(cache.cpu(), want_cache, atol=tol, rtol=tol)
     assert (cache.cpu()[:, 0, 1] == 99.0).all()  # padding rows and unused slots untouched
+
+
+def test_uses_only_the_first_num_tokens_slots() -> None:
+    """The slot mapping may be a longer persistent buffer: entries past the step's tokens are
+    not read."""
+    q, k, v, cos_sin, kv_cache, _ = _case(torch.float32, 2, 1, 16)
+    slots = torch.tensor([5, 1, 3, 6, 9, 10, 11, 12, 13, 14, 15])  # 9 tokens, 11 slots
+    want_cache = kv_cache.clone()
+    TorchRefBackend().rope_and_write_kv(q, k, v, cos_sin, want_cache, slots[: q.shape[0]])
+    cache = kv_cache.to(DEVICE)
+    rope_and_write_kv(*(t.to(DEVICE) for t in (q, k, v, cos_sin)), cache, slots.to(DEVICE))
+    tol = 1e-6 if ON_GPU else 0
+    torch.testing.assert_close(cache.cpu(), want_cache, atol=tol, rtol=tol)
+    assert (cache.cpu().view(2, -1, 1, 16)[:, [14, 15]] == 99.0).all()
 
 
 def test_rejects_mismatched_inputs() -> None:

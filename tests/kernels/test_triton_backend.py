@@ -1,4 +1,7 @@
-"""TritonBackend (write_kv + forward) against the dense reference and TorchRefBackend."""
+"""TritonBackend (rope_and_write_kv + forward) against the dense reference and TorchRefBackend.
+
+The step's keys go in through ``rope_and_write_kv`` with cos = 1, sin = 0: a rotation that
+leaves every value exactly as it is, so the cases keep their unrotated keys."""
 
 from __future__ import annotations
 
@@ -19,10 +22,18 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(ato
 
 
 def _run(backend, batch, kv_cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """write_kv then forward on ``kv_cache``; returns (output, cache)."""
-    backend.write_kv(batch.new_keys, batch.new_values, kv_cache, batch.metadata.slot_mapping)
+    """rope_and_write_kv (identity rotation) then forward on ``kv_cache``; returns (output,
+    cache)."""
+    num_tokens, _, head_dim = batch.query.shape
+    half = torch.ones(num_tokens, head_dim // 2, dtype=batch.query.dtype)
+    cos_sin = torch.cat([half, torch.zeros_like(half)], dim=-1)  # [T, D]: cos 1, sin 0
+    query = backend.rope_and_write_kv(
+        batch.query.flatten(1), batch.new_keys.flatten(1), batch.new_values.flatten(1), cos_sin,
+        kv_cache, batch.metadata.slot_mapping,
+    )  # fmt: skip
+    assert torch.equal(query, batch.query.flatten(1))
     output = torch.full_like(batch.query, SENTINEL)
-    backend.forward(batch.query, kv_cache, batch.metadata, scale, output)
+    backend.forward(query.view(batch.query.shape), kv_cache, batch.metadata, scale, output)
     return output, kv_cache
 
 

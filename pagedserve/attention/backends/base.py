@@ -43,16 +43,6 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def write_kv(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # int64 [num_tokens]
-    ) -> None:
-        """Scatter the step's keys and values into the cache; rows with slot -1 write nothing."""
-        ...
-
     def rope_and_write_kv(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads * head_dim]
@@ -62,9 +52,9 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
     ) -> torch.Tensor:
-        """Rotate queries and keys (neox rotary embedding, ``layers/rotary.py``), scatter the
-        rotated keys and the values like ``write_kv``; returns the rotated queries
-        [num_tokens, num_heads * head_dim]."""
+        """Rotate queries and keys (neox rotary embedding, ``layers/rotary.py``) and scatter
+        the rotated keys and the values into the cache (rows with slot -1 write nothing);
+        returns the rotated queries [num_tokens, num_heads * head_dim]."""
         ...
 
     def forward(

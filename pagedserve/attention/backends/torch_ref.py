@@ -79,6 +79,8 @@ class TorchRefBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
     ) -> None:
+        """Scatter the step's keys and values into the cache; rows with slot -1 write nothing
+        (the cache write of ``rope_and_write_kv``; tests fill caches with it too)."""
         if slot_mapping.shape[0] != key.shape[0]:
             raise ValueError(
                 f"slot_mapping: {slot_mapping.shape[0]} entries for {key.shape[0]} key rows"

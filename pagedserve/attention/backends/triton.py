@@ -1,4 +1,5 @@
-"""The GPU attention backend: Triton kernels for the KV-cache write and paged attention.
+"""The GPU attention backend: Triton kernels for the rotary embedding + KV-cache write and the
+paged attention.
 
 ``torch_ref`` is its oracle. Every launch decision is made from host-known metadata
 (``num_reqs``, ``num_actual_tokens``, ``max_query_len``, ``max_seq_len``), never from device
@@ -11,7 +12,6 @@ import torch
 
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.kernels.attention_common import check_attention_args
-from pagedserve.kernels.kv_write import write_kv
 from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 from pagedserve.kernels.rope_kv_write import rope_and_write_kv
@@ -82,15 +82,6 @@ class TritonBackend:
         self.target_programs = target_programs or _PROGRAMS_PER_SM * _sm_count()
         self.min_keys_per_split = min_keys_per_split
 
-    def write_kv(
-        self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # int64 [num_tokens]
-    ) -> None:
-        write_kv(key, value, kv_cache, slot_mapping)
-
     def rope_and_write_kv(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads * head_dim]
@@ -102,7 +93,7 @@ class TritonBackend:
     ) -> torch.Tensor:
         """One kernel; in the engine's steps on the H200 (Llama-3-8B, per layer) 3.1 us at 256
         decode tokens and 50 us at 8,192 prompt tokens, against 7.2 and 120 for Inductor's
-        rotation kernels plus ``write_kv`` (BENCHMARKS.md, session 11)."""
+        rotation kernels plus the cache-write kernel it replaced (BENCHMARKS.md, session 11)."""
         return rope_and_write_kv(query, key, value, cos_sin, kv_cache, slot_mapping)
 
     def forward(
