@@ -19,7 +19,10 @@ and D's attention by a persistent kernel of G programs (decode_batch.py), at onc
 streams: the engine step an SM partition would run, against "joint" (``--partition-tma W S B``:
 D's attention by decode_tma.py's kernel instead; ``--l2-ahead N``: decode_batch.py's with L2
 prefetches N tiles ahead; ``--block-size`` sets the cache's tokens per
-block, 16 by default). Writes
+block, 16 by default). With ``--lockstep C:G ...``: D and P in lockstep layer by layer (P's
+whole layer on a second stream beside D's attention, joined before D's o_proj; P's GEMMs
+leaving C SMs, D's attention persistent on G programs), the step a prefill-beside-decode
+engine would run. Writes
 ``overlap_probe.json``; results and what they mean: BENCHMARKS.md, sessions 5 and 6.
 """
 
@@ -149,6 +152,90 @@ class Stack:
         return run
 
 
+def lockstep(stack: Stack, x_d: torch.Tensor, x_p: torch.Tensor, prefill: dict,
+             attend_decode: Callable[[torch.Tensor, int], torch.Tensor], carveout: int):
+    """One step of the decode batch D and a prefill chunk P in lockstep, layer by layer: D's
+    QKV GEMM on the whole card; then, at once on two streams, D's attention
+    (``attend_decode``) and all of P's layer (its GEMMs on cuBLASLt leaving ``carveout`` SMs,
+    0: cuBLAS's default path on every SM); both joined before D's o_proj and MLP on the whole
+    card. So P's GEMMs run only inside D's attention windows, where the SMs' tensor cores
+    would idle, and D's GEMMs run alone."""
+    side_d, side_p = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def prefill_layer(g: torch.Tensor, layer: int) -> torch.Tensor:
+        w_qkv, w_o, _, _ = stack.layers[layer]
+        g = g + F.linear(stack.attention(F.linear(g, w_qkv), layer, prefill), w_o)
+        return g + stack.mlp(g, layer)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        h, g = x_d, x_p
+        main = torch.cuda.current_stream()
+        for layer, (w_qkv, w_o, _, _) in enumerate(stack.layers):
+            qkv = F.linear(h, w_qkv)
+            side_d.wait_stream(main)
+            side_p.wait_stream(main)
+            with torch.cuda.stream(side_d):
+                attn = attend_decode(qkv, layer)
+            with torch.cuda.stream(side_p), carved_gemms(carveout):
+                g = prefill_layer(g, layer)
+            main.wait_stream(side_d)
+            main.wait_stream(side_p)
+            h = h + F.linear(attn, w_o)
+            h = h + stack.mlp(h, layer)
+        return h, g
+    return run
+
+
+class carved_gemms:  # noqa: N801 - a context manager used like a function
+    """GEMMs launched inside run on cuBLASLt, told to leave ``carveout`` SMs free (0: as is)."""
+
+    def __init__(self, carveout: int) -> None:
+        self.carveout = carveout
+
+    def __enter__(self) -> None:
+        if self.carveout:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            torch._C._set_sm_carveout_experimental(self.carveout)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.carveout:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def lockstep_rows(stack: Stack, x_decode: torch.Tensor, tokens: int, pairs: list[str],
+                  args: argparse.Namespace) -> dict:
+    """For each "C:G" of ``--lockstep``: ``lockstep`` with P's GEMMs leaving C SMs and D's
+    attention by a persistent kernel of G programs (G = 0: the engine's split-KV launch on
+    every SM). Also P's 32 layers alone with that carveout, and D alone with that attention."""
+    meta = stack.prefill_meta(tokens)
+    x_p = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda") * 0.1
+    rows = {}
+    for pair in pairs:
+        carveout, programs = (int(v) for v in pair.split(":"))
+
+        def attend(qkv: torch.Tensor, layer: int, programs: int = programs) -> torch.Tensor:
+            m = qkv.shape[0]
+            if programs == 0:
+                return stack.attention(qkv, layer, stack.decode_meta)
+            q = qkv[:, : HEADS * HEAD_DIM].reshape(m, HEADS, HEAD_DIM).contiguous()
+            out = torch.empty_like(q)  # [m, HEADS, HEAD_DIM]
+            stack.persistent_launch(programs, args)(out, q, layer)
+            return out.view(m, HEADS * HEAD_DIM)
+
+        with carved_gemms(carveout):
+            g_p = capture_graph(stack.branch(x_p, meta))
+        row = {"prefill_alone_ms": median_ms(g_p.replay, REPS),
+               "decode_alone_ms": median_ms(capture_graph(stack.chain(x_decode, attend)).replay,
+                                            REPS),
+               "lockstep_ms": median_ms(capture_graph(
+                   lockstep(stack, x_decode, x_p, meta, attend, carveout)).replay, REPS)}
+        rows[pair] = row
+        print(f"  P={tokens} lockstep carveout {carveout}, attention programs {programs or 'engine'}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    return rows
+
+
 def concurrently(graphs: list[torch.cuda.CUDAGraph], streams: list[torch.cuda.Stream]):
     return lambda: fork_join([(s, g.replay) for g, s in zip(graphs, streams, strict=True)])
 
@@ -241,6 +328,12 @@ def main() -> None:
     parser.add_argument("--partition", nargs="*", default=[], metavar="C:G",
                         help="also: prefill GEMMs leaving C SMs (cuBLASLt carveout) beside a "
                              "persistent decode attention of G programs")
+    parser.add_argument("--lockstep", nargs="*", default=[], metavar="C:G",
+                        help="also: D and P in lockstep per layer (P's layer beside D's "
+                             "attention), P's GEMMs leaving C SMs, D's attention persistent "
+                             "on G programs (0: the engine's launch)")
+    parser.add_argument("--skip-streams", action="store_true",
+                        help="time only P alone and joint besides the --partition/--lockstep rows")
     parser.add_argument("--partition-launch", type=int, nargs=3, default=[64, 4, 3],
                         metavar=("TILE_N", "WARPS", "STAGES"))
     parser.add_argument("--prefetch-ids", action="store_true",
@@ -282,13 +375,18 @@ def main() -> None:
             "prefill_alone_ms": median_ms(g_p.replay, REPS),
             "one_after_other_ms": median_ms(lambda g=g_p: (g_decode.replay(), g.replay()), REPS),
             "joint_ms": median_ms(g_joint.replay, REPS),
-            "two_streams_ms": median_ms(concurrently([g_decode, g_p], normal), REPS),
-            "two_streams_decode_high_ms": median_ms(concurrently([g_decode, g_p], d_high), REPS),
-            "two_streams_prefill_high_ms": median_ms(concurrently([g_decode, g_p], p_high), REPS),
         }
+        if not args.skip_streams:
+            row["two_streams_ms"] = median_ms(concurrently([g_decode, g_p], normal), REPS)
+            row["two_streams_decode_high_ms"] = median_ms(concurrently([g_decode, g_p], d_high),
+                                                          REPS)
+            row["two_streams_prefill_high_ms"] = median_ms(concurrently([g_decode, g_p], p_high),
+                                                           REPS)
         print(f"P={tokens}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
         if args.partition:
             row["partition"] = partition_rows(stack, x_decode, tokens, args.partition, args)
+        if args.lockstep:
+            row["lockstep"] = lockstep_rows(stack, x_decode, tokens, args.lockstep, args)
         report["prefill"][tokens] = row
         (args.out / "overlap_probe.json").write_text(json.dumps(report, indent=1))
 
