@@ -37,19 +37,22 @@ def carved_graph(fn: Callable[[], object], carveout: int) -> torch.cuda.CUDAGrap
         torch._C._set_sm_carveout_experimental(None)
 
 
+def timed_ms(launch: Callable[[], object]) -> float:
+    """ms between events recorded around one ``launch()`` on the current stream (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def median_ms(launch: Callable[[], object], reps: int = 20) -> float:
     """Median ms between events recorded around ``launch()`` on the current stream (after one
     untimed call)."""
     launch()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [timed_ms(launch) for _ in range(reps)]
     return sorted(times)[len(times) // 2]
 
 

@@ -1,10 +1,16 @@
-"""GPU busy fraction while a workload runs: NVML's utilization (the share of time a kernel was
-running, as ``nvidia-smi`` reports it), sampled in a background thread; and the exact figure
-from a kernel trace (``busy_union_us`` over the profiler's kernel intervals)."""
+"""GPU busy fraction and energy while a workload runs: NVML's utilization (the share of time a
+kernel was running, as ``nvidia-smi`` reports it), sampled in a background thread, and NVML's
+energy counter read before and after; and the exact busy figure from a kernel trace
+(``busy_union_us`` over the profiler's kernel intervals).
+
+The energy matters because the H200 runs at its 700 W power limit through a long decode
+workload: the time of a step is then its energy over 700 W (BENCHMARKS.md, session 12).
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -13,29 +19,65 @@ import torch
 T = TypeVar("T")
 
 
+def nvml_energy_reader(device: torch.device) -> Callable[[], float] | None:
+    """The card's total energy counter in joules (NVML), or None where NVML cannot read it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(device)  # NVML numbers every card
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # noqa: BLE001 - no pynvml, no driver, or a card without the counter
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+
+
 class GpuBusySampler:
-    def __init__(self, device: torch.device, interval_s: float = 0.1) -> None:
-        self.device = device
+    def __init__(
+        self,
+        device: torch.device,
+        interval_s: float = 0.1,
+        read_utilization: Callable[[], int] | None = None,
+        read_energy_j: Callable[[], float] | None = None,
+    ) -> None:
+        """``read_utilization`` (percent) and ``read_energy_j`` default to NVML's for
+        ``device``; the energy is left out (None) where NVML has no counter."""
         self.interval_s = interval_s
+        self.read_utilization = read_utilization or (lambda: torch.cuda.utilization(device))
+        self.read_energy_j = read_energy_j or nvml_energy_reader(device)
         self.samples: list[int] = []  # NVML utilization percentages
+        self.energy_j: float | None = None  # joules the card used during measure()
+        self.wall_s: float | None = None  # seconds measure() ran
         self._stop = threading.Event()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.samples.append(torch.cuda.utilization(self.device))
+            self.samples.append(self.read_utilization())
 
     def measure(self, fn: Callable[[], T]) -> T:
         thread = threading.Thread(target=self._run, daemon=True)
+        energy_start = self.read_energy_j() if self.read_energy_j else None
+        start = time.perf_counter()
         thread.start()
         try:
             return fn()
         finally:
             self._stop.set()
             thread.join()
+            self.wall_s = time.perf_counter() - start
+            if energy_start is not None:
+                self.energy_j = self.read_energy_j() - energy_start
 
     @property
     def busy_fraction(self) -> float | None:
         return sum(self.samples) / (100 * len(self.samples)) if self.samples else None
+
+    @property
+    def mean_power_w(self) -> float | None:
+        if self.energy_j is None or not self.wall_s:
+            return None
+        return self.energy_j / self.wall_s
 
 
 def busy_union_us(intervals: list[tuple[float, float]]) -> float:

@@ -31,6 +31,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def energy_figures(busy: GpuBusySampler | None, num_out: int) -> dict:
+    """The card's energy over the run (NVML's counter), where it could be read."""
+    if busy is None or busy.energy_j is None:
+        return {}
+    return {"energy_j": busy.energy_j, "mean_power_w": busy.mean_power_w,
+            "output_tok_per_j": num_out / busy.energy_j if busy.energy_j > 0 else None}
+
+
 def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
     """Run ``args``' workload on an engine that is already up; returns the figures."""
     rng = np.random.default_rng(0)
@@ -71,6 +79,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         "ratio_to_roofline": (num_out / elapsed) / roofline_tps, "max_batch_kv_allows": max_batch,
         "num_kv_blocks": core.num_blocks, "ceilings": ceil.source, "device": str(runner.device),
         "gpu_busy_fraction": None if busy is None else busy.busy_fraction,
+        **energy_figures(busy, num_out),
     }  # fmt: skip
     print(
         f"{args.num_prompts} prompts, {mean_in} in / {mean_out} out: {elapsed:.1f} s, "
@@ -78,6 +87,9 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         f"tok/s, {result['requests_per_s']:.2f} req/s; roofline {roofline_tps:.0f} output tok/s "
         f"({ceil.source}, max batch {max_batch}): {result['ratio_to_roofline']:.2f} of roofline"
         + ("" if busy is None else f"; GPU busy {busy.busy_fraction:.1%} (NVML, every 0.1 s)")
+        + ("" if result.get("energy_j") is None else
+           f"; {result['energy_j'] / 1e3:.1f} kJ on the card, {result['mean_power_w']:.0f} W "
+           f"mean, {result['output_tok_per_j']:.2f} output tok/J")
     )
     write_json(args.output_json, result)
     return result
