@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagedserve.attention.backends.base import PAD_SLOT_ID, AttentionMetadata
+
+# Where the kernel tests put their batches: the GPU on a CUDA machine with the interpreter off
+# (the kernels compile for the card), else the CPU under TRITON_INTERPRET=1 (CI).
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 # Cache entries no request owns hold NaN: a kernel reading one poisons its output.
 POISON = float("nan")
@@ -34,9 +40,11 @@ def make_paged_batch(
     block_size: int,
     dtype: torch.dtype,
     num_padding: int = 3,
+    device: torch.device | str = "cpu",
 ) -> PagedBatch:
     """Requests with a cached prefix of ``context_lens`` keys already in the cache (scattered
-    over shuffled blocks) and ``query_lens`` new rows whose keys are returned, not written."""
+    over shuffled blocks) and ``query_lens`` new rows whose keys are returned, not written.
+    Built on the CPU (the same random batch for every device), then moved to ``device``."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 2
@@ -73,7 +81,7 @@ def make_paged_batch(
         block_table=block_table,
         slot_mapping=torch.cat([*slots, pad_slots]),
     )
-    return PagedBatch(
+    batch = PagedBatch(
         query=torch.randn(num_tokens + num_padding, num_heads, head_dim).to(dtype),
         kv_cache=kv_cache,
         keys=keys,
@@ -81,6 +89,27 @@ def make_paged_batch(
         new_keys=torch.cat([new_keys, pad_kv]),
         new_values=torch.cat([new_values, pad_kv]),
         metadata=metadata,
+    )
+    return batch_on(batch, torch.device(device))
+
+
+def batch_on(batch: PagedBatch, device: torch.device) -> PagedBatch:
+    """``batch`` with every tensor, the metadata's included, on ``device``."""
+    meta = batch.metadata
+    return PagedBatch(
+        query=batch.query.to(device),
+        kv_cache=batch.kv_cache.to(device),
+        keys=[k.to(device) for k in batch.keys],
+        values=[v.to(device) for v in batch.values],
+        new_keys=batch.new_keys.to(device),
+        new_values=batch.new_values.to(device),
+        metadata=replace(
+            meta,
+            query_start_loc=meta.query_start_loc.to(device),
+            seq_lens=meta.seq_lens.to(device),
+            block_table=meta.block_table.to(device),
+            slot_mapping=meta.slot_mapping.to(device),
+        ),
     )
 
 
@@ -104,8 +133,9 @@ def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         k = batch.keys[i].float().repeat_interleave(group, dim=1)
         v = batch.values[i].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", batch.query[start:end].float(), k) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=k.device)
+        k_pos = torch.arange(seq_len, device=k.device)
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(out)
 

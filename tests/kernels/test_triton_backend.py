@@ -1,13 +1,15 @@
 """TritonBackend (rope_and_write_kv + forward) against the dense reference and TorchRefBackend.
 
 The step's keys go in through ``rope_and_write_kv`` with cos = 1, sin = 0: a rotation that
-leaves every value exactly as it is, so the cases keep their unrotated keys."""
+leaves every value exactly as it is, so the cases keep their unrotated keys. On a CUDA
+machine with ``TRITON_INTERPRET=0`` the batches live on the GPU and the kernels compile for it;
+in CI they run on the CPU under the interpreter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch
+from paged_kv_cases import DEVICE, SENTINEL, dense_causal_attention, make_paged_batch
 
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.backends.triton import (
@@ -25,7 +27,7 @@ def _run(backend, batch, kv_cache: torch.Tensor, scale: float) -> tuple[torch.Te
     """rope_and_write_kv (identity rotation) then forward on ``kv_cache``; returns (output,
     cache)."""
     num_tokens, _, head_dim = batch.query.shape
-    half = torch.ones(num_tokens, head_dim // 2, dtype=batch.query.dtype)
+    half = torch.ones(num_tokens, head_dim // 2, dtype=batch.query.dtype, device=batch.query.device)
     cos_sin = torch.cat([half, torch.zeros_like(half)], dim=-1)  # [T, D]: cos 1, sin 0
     query = backend.rope_and_write_kv(
         batch.query.flatten(1), batch.new_keys.flatten(1), batch.new_values.flatten(1), cos_sin,
@@ -55,7 +57,7 @@ def _check_against_oracles(backend: TritonBackend, batch, scale: float) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_batch_takes_the_split_kv_path(dtype: torch.dtype) -> None:
     backend = TritonBackend(target_programs=64, min_keys_per_split=16)
-    batch = make_paged_batch([1, 1], [97, 200], 4, 1, 128, 8, dtype)
+    batch = make_paged_batch([1, 1], [97, 200], 4, 1, 128, 8, dtype, device=DEVICE)
     meta = batch.metadata
     assert choose_num_splits(meta.num_reqs, 1, meta.max_seq_len, 64, 16) == 8
     _check_against_oracles(backend, batch, 128**-0.5)
@@ -63,7 +65,7 @@ def test_decode_batch_takes_the_split_kv_path(dtype: torch.dtype) -> None:
 
 def test_mixed_batch_runs_the_varlen_kernel() -> None:
     backend = TritonBackend(target_programs=64, min_keys_per_split=16)
-    batch = make_paged_batch([1, 12, 5], [60, 4, 0], 8, 2, 64, 16, torch.float32)
+    batch = make_paged_batch([1, 12, 5], [60, 4, 0], 8, 2, 64, 16, torch.float32, device=DEVICE)
     _check_against_oracles(backend, batch, 0.125)
 
 
@@ -88,7 +90,7 @@ def test_choose_num_splits(
 
 def test_forward_rejects_bad_inputs() -> None:
     backend = TritonBackend(target_programs=16)
-    batch = make_paged_batch([2], [3], 4, 2, 64, 4, torch.float32)
+    batch = make_paged_batch([2], [3], 4, 2, 64, 4, torch.float32, device=DEVICE)
     out = torch.empty_like(batch.query)
     with pytest.raises(ValueError, match="query"):
         backend.forward(batch.query[:, :3], batch.kv_cache, batch.metadata, 0.1, out[:, :3])
@@ -115,7 +117,7 @@ def test_unsplit_decode_batch_runs_the_split_kv_kernel(
 
     monkeypatch.setattr("pagedserve.attention.backends.triton.paged_attention", no_varlen)
     backend = TritonBackend(target_programs, min_keys_per_split)
-    batch = make_paged_batch([1, 1, 1], [97, 20, 51], 4, 2, 64, 8, torch.float32)
+    batch = make_paged_batch([1, 1, 1], [97, 20, 51], 4, 2, 64, 8, torch.float32, device=DEVICE)
     _check_against_oracles(backend, batch, 0.125)
 
 
@@ -139,12 +141,14 @@ def test_padded_requests_of_a_full_graph_write_nothing(
     """FULL-graph padding appends requests with no query row (query_start_loc repeats, seq_len
     0); they must be skipped, leaving their rows and the padding rows untouched."""
     backend = TritonBackend(target_programs, min_keys_per_split)
-    batch = make_paged_batch([1, 1], [70, 33], 4, 2, 64, 8, torch.float32, num_padding=2)
+    batch = make_paged_batch(
+        [1, 1], [70, 33], 4, 2, 64, 8, torch.float32, num_padding=2, device=DEVICE
+    )
     meta = batch.metadata
     meta.num_reqs = 4
-    padding_qsl = torch.tensor([2, 2], dtype=torch.int32)
+    padding_qsl = torch.tensor([2, 2], dtype=torch.int32, device=DEVICE)
     meta.query_start_loc = torch.cat([meta.query_start_loc, padding_qsl])
-    meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32)])
+    meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32, device=DEVICE)])
     meta.block_table = torch.cat([meta.block_table, meta.block_table])
     output, _ = _run(backend, batch, batch.kv_cache.clone(), 0.125)
     meta.num_reqs = 2  # the dense reference reads only the real requests
