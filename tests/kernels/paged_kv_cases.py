@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from pagedserve.attention.backends.base import PAD_SLOT_ID, AttentionMetadata
-
-# Where the kernel tests put their batches: the GPU on a CUDA machine with the interpreter off
-# (the kernels compile for the card), else the CPU under TRITON_INTERPRET=1 (CI).
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 # Cache entries no request owns hold NaN: a kernel reading one poisons its output.
 POISON = float("nan")

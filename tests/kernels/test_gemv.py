@@ -4,19 +4,16 @@ SiluAndMul, RotaryEmbedding, the KV write). Runs on the CPU interpreter; on a GP
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_device import DEVICE
 
 from pagedserve.kernels import gemv
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.rotary import get_rope
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DT = torch.bfloat16
 EPS = 1e-5
 # Small tiles (several K tiles and programs on these small shapes), and the default tiles.

@@ -1,5 +1,6 @@
 """Input-preparation kernels against the torch reference (pagedserve.worker.input_prep) and an
-explicit per-token expectation, on poisoned buffers (TRITON_INTERPRET=1)."""
+explicit per-token expectation, on poisoned buffers. The tensors live on the CPU; the Triton
+kernels run on the GPU where there is one (``on_kernel_device``), else under the interpreter."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from kernel_device import on_kernel_device
 
 import pagedserve.worker.input_prep as ref
 from pagedserve.attention.backends.base import PAD_SLOT_ID
@@ -66,7 +68,7 @@ def test_prepare_prefill_inputs(step: Step) -> None:
         step.num_computed_tokens,
     )  # fmt: skip
     out, out_ref = _poisoned(torch.int32, MAX_NUM_TOKENS), _poisoned(torch.int32, MAX_NUM_TOKENS)
-    tri.prepare_prefill_inputs(out, *args)
+    on_kernel_device(tri.prepare_prefill_inputs, out, *args)
     ref.prepare_prefill_inputs(out_ref, *args)
     expected = _poisoned(torch.int32, MAX_NUM_TOKENS)
     for _, slot, start, qlen in _rows(step):
@@ -83,9 +85,10 @@ def test_prepare_pos_seq_lens(step: Step) -> None:
     for impl in (tri, ref):
         positions = _poisoned(torch.int64, MAX_NUM_TOKENS)
         seq_lens = _poisoned(torch.int32, MAX_NUM_REQS)
-        impl.prepare_pos_seq_lens(
-            step.idx_mapping, step.query_start_loc, step.num_computed_tokens, positions, seq_lens
-        )
+        on_kernel_device(
+            impl.prepare_pos_seq_lens, step.idx_mapping, step.query_start_loc,
+            step.num_computed_tokens, positions, seq_lens,
+        )  # fmt: skip
         results.append((positions, seq_lens))
     positions = _poisoned(torch.int64, MAX_NUM_TOKENS)
     seq_lens = torch.zeros(MAX_NUM_REQS, dtype=torch.int32)
@@ -107,7 +110,7 @@ def test_combine_sampled_tokens(step: Step) -> None:
     )  # fmt: skip
     start_ids = torch.randint(0, 1000, (MAX_NUM_TOKENS,), dtype=torch.int32)
     out, out_ref = start_ids.clone(), start_ids.clone()
-    tri.combine_sampled_tokens(out, *args)
+    on_kernel_device(tri.combine_sampled_tokens, out, *args)
     ref.combine_sampled_tokens(out_ref, *args)
     expected = start_ids.clone()
     for i, slot, start, qlen in _rows(step):
@@ -121,7 +124,7 @@ def test_combine_sampled_tokens(step: Step) -> None:
 def test_gather_block_tables(step: Step) -> None:
     shape = step.block_tables.shape
     out, out_ref = _poisoned(torch.int32, *shape), _poisoned(torch.int32, *shape)
-    tri.gather_block_tables(step.idx_mapping, step.block_tables, out)
+    on_kernel_device(tri.gather_block_tables, step.idx_mapping, step.block_tables, out)
     ref.gather_block_tables(step.idx_mapping, step.block_tables, out_ref)
     expected = _poisoned(torch.int32, *shape)
     expected[:4] = step.block_tables[step.idx_mapping.long()]
@@ -138,7 +141,7 @@ def test_compute_slot_mappings(step: Step, num_tokens_padded: int) -> None:
     )  # fmt: skip
     args = (step.idx_mapping, step.query_start_loc, positions, step.block_tables, BLOCK_SIZE)
     out, out_ref = _poisoned(torch.int64, MAX_NUM_TOKENS), _poisoned(torch.int64, MAX_NUM_TOKENS)
-    tri.compute_slot_mappings(*args, out, num_tokens_padded)
+    on_kernel_device(tri.compute_slot_mappings, *args, out, num_tokens_padded)
     ref.compute_slot_mappings(*args, out_ref, num_tokens_padded)
     expected = _poisoned(torch.int64, MAX_NUM_TOKENS)
     expected[19:num_tokens_padded] = PAD_SLOT_ID

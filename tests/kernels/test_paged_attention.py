@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import DEVICE
 from paged_kv_cases import (
-    DEVICE,
     SENTINEL,
     dense_causal_attention,
     make_paged_batch,

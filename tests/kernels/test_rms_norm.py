@@ -3,17 +3,14 @@ reference); the kernel runs on the GPU when there is one, else under the interpr
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_device import DEVICE, ON_GPU
 
 from pagedserve.kernels.rms_norm import fused_add_rms_norm
 from pagedserve.layers import layernorm
 from pagedserve.layers.layernorm import RMSNorm
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # Only the order of the fp32 sum of squares differs from torch: results within one rounding.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 

@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_device import DEVICE, ON_GPU
 
 from pagedserve.attention.backends.base import PAD_SLOT_ID
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.kernels.rope_kv_write import rope_and_write_kv
 from pagedserve.layers.rotary import get_rope
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 

@@ -3,16 +3,13 @@ kernel runs on the GPU when there is one, else under the interpreter."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from pagedserve.kernels.silu_and_mul import silu_and_mul
 from pagedserve.layers.activation import silu_and_mul_torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from paged_kv_cases import ON_GPU, SENTINEL, make_paged_batch, write_step_kv
+from kernel_device import ON_GPU
+from paged_kv_cases import SENTINEL, make_paged_batch, write_step_kv
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 

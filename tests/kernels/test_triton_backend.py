@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_kv_cases import DEVICE, SENTINEL, dense_causal_attention, make_paged_batch
+from kernel_device import DEVICE
+from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch
 
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.backends.triton import (
