@@ -122,15 +122,17 @@ def run_tiny(out: Path, work: Path) -> None:
         gen = hf.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
         hf_tokens.append(gen[0, len(p):].tolist())
     log(out, "tiny.greedy_equal",
-        fast_vs_cuda_eager=all(a.token_ids == b.token_ids for a, b in zip(got, eager)),
-        fast_vs_cpu_torch_ref=all(a.token_ids == b.token_ids for a, b in zip(got, cpu)),
-        fast_vs_transformers=all(a.token_ids == h for a, h in zip(got, hf_tokens)))
+        fast_vs_cuda_eager=all(
+            a.token_ids == b.token_ids for a, b in zip(got, eager, strict=True)),
+        fast_vs_cpu_torch_ref=all(
+            a.token_ids == b.token_ids for a, b in zip(got, cpu, strict=True)),
+        fast_vs_transformers=all(a.token_ids == h for a, h in zip(got, hf_tokens, strict=True)))
 
 
 def logprobs_close(a, b) -> tuple[bool, int]:  # noqa: ANN001
     """vLLM's check_logprobs_close: equal tokens until the first divergence, where each side's
     token must be in the other's top-5. Returns (ok, index of first divergence or -1)."""
-    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=False)):
         if ta != tb:
             return tb in a.logprobs[i] and ta in b.logprobs[i], i
     return True, -1
@@ -165,7 +167,7 @@ def run_8b_logprobs(out: Path, work: Path) -> None:
     log(out, "8b.startup_graphs_s", seconds=round(time.perf_counter() - start, 1),
         captured=graph_sizes(fast_llm))
     fast = greedy(fast_llm, prompts, 32)
-    checks = [logprobs_close(a, b) for a, b in zip(fast, eager)]
+    checks = [logprobs_close(a, b) for a, b in zip(fast, eager, strict=True)]
     log(out, "8b.logprobs_close", all_ok=all(ok for ok, _ in checks),
         first_divergence=[i for _, i in checks])
     del fast_llm

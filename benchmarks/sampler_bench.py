@@ -112,7 +112,7 @@ def run_case(rows: int, mode: str, scale: float, args: argparse.Namespace) -> di
     ):
         sampler = make_sampler(token_sampler, rows, args.vocab, params)
         tokens[name] = sampler(logits, idx, idx_np).sampled_token_ids
-        times = time_calls(lambda: sampler(logits, idx, idx_np), args.warmup, args.iters)
+        times = time_calls(lambda s=sampler: s(logits, idx, idx_np), args.warmup, args.iters)
         result[f"{name}_ms"] = statistics.median(times)
         result[f"{name}_ms_min"] = min(times)
     result["speedup"] = result["torch_ms"] / result["triton_ms"]

@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if len(timeouts) != 3 or min(timeouts) <= 0:
         raise SystemExit(f"--timeouts: three positive numbers (cold,warm,eager), got "
                          f"{args.timeouts!r}")
-    args.timeouts = dict(zip(("cold", "warm", "eager"), timeouts))
+    args.timeouts = dict(zip(("cold", "warm", "eager"), timeouts, strict=True))
     if args.child and not (args.model_dir and args.prompts_file):
         raise SystemExit("--child needs --model-dir and --prompts-file")
     return args
@@ -104,7 +104,7 @@ def logprobs_close(a: dict, b: dict) -> tuple[bool, int]:
     """vLLM's check_logprobs_close on one prompt: equal tokens up to the first divergence,
     where each side's token must be in the other's top-k. Returns (ok, first divergence or
     -1). ``a`` / ``b``: {"tokens": [...], "top": [[ids of step 0's top-k], ...]}."""
-    for i, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
+    for i, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"], strict=False)):
         if ta != tb:
             return tb in a["top"][i] and ta in b["top"][i], i
     return len(a["tokens"]) == len(b["tokens"]), -1
@@ -318,7 +318,7 @@ def _checks(report: dict, args: argparse.Namespace) -> dict[str, Any]:
     if "error" not in cold and "error" not in warm:
         checks["cold_equals_warm"] = cold["greedy"] == warm["greedy"]
     if "error" not in fast and "error" not in eager:
-        pairs = list(zip(fast["greedy"], eager["greedy"]))
+        pairs = list(zip(fast["greedy"], eager["greedy"], strict=True))
         close = [logprobs_close(a, b) for a, b in pairs]
         checks["greedy_equal"] = [a["tokens"] == b["tokens"] for a, b in pairs]
         checks["logprobs_close"] = all(ok for ok, _ in close)
