@@ -58,7 +58,8 @@ class NvmlSampler:
 
     def __init__(self) -> None:
         pynvml.nvmlInit()
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())  # NVML's numbering
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self.samples: list[tuple[float, float, float, bool]] = []  # (t, W, MHz, capped)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -144,6 +145,8 @@ def read_caches(stack: Stack) -> Callable[[], None]:
     programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     partial = torch.empty(programs, dtype=torch.float32, device="cuda")
     flat = [cache.view(-1) for cache in stack.decode.caches]
+    if any(x.numel() % 8192 for x in flat):  # the kernel's loads are unmasked
+        raise ValueError("read_caches: a cache's size is not a multiple of 8192 elements")
     return lambda: [_read_kernel[(programs,)](x, partial, x.numel(), G=programs, BLOCK=8192,
                                               num_warps=8) for x in flat]
 
