@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -26,15 +27,22 @@ def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def carved_graph(fn: Callable[[], object], carveout: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn`` captured with cuBLAS targeting (SMs - carveout) SMs
+@contextmanager
+def sm_carveout(carveout: int) -> Iterator[None]:
+    """GEMMs launched inside target (SMs - carveout) SMs
     (``torch._C._set_sm_carveout_experimental``; honoured on the cuBLASLt path:
     ``torch.backends.cuda.preferred_blas_library("cublaslt")``)."""
     torch._C._set_sm_carveout_experimental(carveout or None)
     try:
-        return capture_graph(fn)
+        yield
     finally:
         torch._C._set_sm_carveout_experimental(None)
+
+
+def carved_graph(fn: Callable[[], object], carveout: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``fn`` captured inside ``sm_carveout(carveout)``."""
+    with sm_carveout(carveout):
+        return capture_graph(fn)
 
 
 def timed_ms(launch: Callable[[], object]) -> float:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ from decode_batch import (
 )
 from decode_batch import launch as persistent_decode
 from decode_tma import launch_tma
-from graph_timing import capture_graph, carved_graph, median_ms
+from graph_timing import capture_graph, carved_graph, median_ms, sm_carveout
 
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 
@@ -186,21 +187,18 @@ def lockstep(stack: Stack, x_d: torch.Tensor, x_p: torch.Tensor, prefill: dict,
     return run
 
 
-class carved_gemms:  # noqa: N801 - a context manager used like a function
+@contextmanager
+def carved_gemms(carveout: int) -> Iterator[None]:
     """GEMMs launched inside run on cuBLASLt, told to leave ``carveout`` SMs free (0: as is)."""
-
-    def __init__(self, carveout: int) -> None:
-        self.carveout = carveout
-
-    def __enter__(self) -> None:
-        if self.carveout:
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            torch._C._set_sm_carveout_experimental(self.carveout)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.carveout:
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library("cublas")
+    if not carveout:
+        yield
+        return
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        with sm_carveout(carveout):
+            yield
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
 
 
 def lockstep_rows(stack: Stack, x_decode: torch.Tensor, tokens: int, pairs: list[str],

@@ -40,6 +40,7 @@ from graph_timing import capture_graph, timed_ms
 from overlap_probe import LayerLaunch, Stack
 
 from pagedserve.attention.backends.triton import SPLIT_KV_LAUNCH
+from pagedserve.entrypoints.bench.gpu_busy import nvml_energy_reader, nvml_handle
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
@@ -57,9 +58,11 @@ class NvmlSampler:
     """Power (W), SM clock (MHz) and the power-cap throttle flag, sampled in a thread."""
 
     def __init__(self) -> None:
-        pynvml.nvmlInit()
-        index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())  # NVML's numbering
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        device = torch.cuda.current_device()
+        self.handle = nvml_handle(device)
+        self.read_energy_j = nvml_energy_reader(device)
+        if self.handle is None or self.read_energy_j is None:
+            raise RuntimeError("power_probe: NVML (nvidia-ml-py) cannot read this card's power")
         self.samples: list[tuple[float, float, float, bool]] = []  # (t, W, MHz, capped)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -71,9 +74,6 @@ class NvmlSampler:
             reasons = _clock_reasons(self.handle)
             self.samples.append((time.perf_counter(), watts, mhz,
                                  bool(reasons & THROTTLE_SW_POWER_CAP)))
-
-    def energy_j(self) -> float:
-        return pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1e3
 
     def __enter__(self) -> NvmlSampler:
         self._thread.start()
@@ -94,9 +94,9 @@ def measure(name: str, graph: torch.cuda.CUDAGraph, seconds: float) -> dict:
         while (now := time.perf_counter()) < end_at:
             if energy_start is None and now >= half_at:
                 torch.cuda.synchronize()
-                energy_start, replays_start, t_start = nvml.energy_j(), len(times), now
+                energy_start, replays_start, t_start = nvml.read_energy_j(), len(times), now
             times.append(timed_ms(graph.replay))
-        energy = nvml.energy_j() - energy_start
+        energy = nvml.read_energy_j() - energy_start
         settled = [s for s in nvml.samples if s[0] >= t_start]
     n = len(times) - replays_start
     half = sorted(times[replays_start:])

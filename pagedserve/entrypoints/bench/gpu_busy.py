@@ -19,16 +19,28 @@ import torch
 T = TypeVar("T")
 
 
-def nvml_energy_reader(device: torch.device) -> Callable[[], float] | None:
-    """The card's total energy counter in joules (NVML), or None where NVML cannot read it."""
+def nvml_handle(device: torch.device | int) -> object | None:
+    """NVML's handle of the CUDA ``device``, or None where NVML cannot be used."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         index = torch.cuda._get_nvml_device_index(device)  # NVML numbers every card
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 - no pynvml, no driver
+        return None
+
+
+def nvml_energy_reader(device: torch.device | int) -> Callable[[], float] | None:
+    """The card's total energy counter in joules (NVML), or None where NVML cannot read it."""
+    handle = nvml_handle(device)
+    if handle is None:
+        return None
+    import pynvml
+
+    try:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception:  # noqa: BLE001 - no pynvml, no driver, or a card without the counter
+    except pynvml.NVMLError:  # a card without the counter
         return None
     return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
 
