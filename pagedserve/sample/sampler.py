@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.platform import platform_for
 from pagedserve.sample.logit_bias import LogitBiasState, min_tokens_stop_ids
 from pagedserve.sample.logprob import compute_topk_logprobs
 from pagedserve.sample.output import SamplerOutput
 from pagedserve.sample.penalties import PenaltiesState, uses_penalties
 from pagedserve.sample.states import NO_LOGPROBS, SamplingStates
-from pagedserve.sample.token_sampler import make_token_sampler
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -48,8 +48,8 @@ class Sampler:
         self.states = SamplingStates(max_num_reqs, vocab_size, device, seed)
         self.penalties = PenaltiesState(max_num_reqs, vocab_size, device)
         self.logit_bias = LogitBiasState(max_num_reqs, device)
-        # torch ops on the CPU, Triton kernels on CUDA; tests and benchmarks may swap it.
-        self.token_sampler = make_token_sampler(vocab_size, device)
+        # The platform's: torch ops on the CPU, Triton kernels on CUDA; tests may swap it.
+        self.token_sampler = platform_for(device).token_sampler(vocab_size)
 
     def add_request(
         self,

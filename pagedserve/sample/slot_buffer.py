@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.platform import platform_for
+
 
 def host_to_device(
     values: np.ndarray | list, dtype: torch.dtype, device: torch.device
@@ -22,7 +24,7 @@ def host_to_device(
     until the copy has run, so the caller may overwrite its own data right away.
     """
     src = torch.as_tensor(np.asarray(values), dtype=dtype)
-    if device.type == "cuda":
+    if platform_for(device).pin_memory:
         src = src.pin_memory()
     return src.to(device, non_blocking=True)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedserve.core.sched_output import BlockIds
-from pagedserve.worker.ops import InputPrepOps
+from pagedserve.platform import InputPrepOps
 from pagedserve.worker.prefix_views import PrefixViews
 from pagedserve.worker.staging import StagedArray, StagingBuffer
 
@@ -146,7 +146,7 @@ class BlockTables:
         slots = np.fromiter(sorted(self._staged_rows), dtype=np.int64)  # [num_rows]
         rows = torch.from_numpy(self.block_table_np[slots])  # int32 [num_rows, max_num_blocks]
         index = torch.from_numpy(slots)
-        if self.device.type == "cuda":
+        if self.staging.pin_memory:
             rows, index = rows.pin_memory(), index.pin_memory()
         self.block_table.index_copy_(0, index.to(self.device, non_blocking=True),
                                      rows.to(self.device, non_blocking=True))

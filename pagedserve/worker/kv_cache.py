@@ -29,6 +29,7 @@ import torch
 
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import KV_BUDGET_FIELD, log_phase
+from pagedserve.platform import platform_for
 from pagedserve.worker.block_table import cdiv
 
 logger = logging.getLogger(__name__)
@@ -145,8 +146,7 @@ def allocate_kv_caches(
                           device=device)
         for name, layer in layers.items()
     }
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the zero-fill belongs to the allocation's time
+    platform_for(device).synchronize()  # the zero-fill belongs to the allocation's time
     nbytes = sum(t.numel() * t.element_size() for t in caches.values())
     log_phase(logger, "allocate KV cache", time.perf_counter() - start,
               f"{num_blocks} blocks, {nbytes / _GIB:.2f} GiB", num_blocks=num_blocks,

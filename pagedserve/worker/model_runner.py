@@ -30,15 +30,11 @@ from pagedserve.core.sched_output import (
 )
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
-from pagedserve.platform import resolve_dtype
+from pagedserve.platform import platform_for, resolve_dtype
 from pagedserve.sample import Sampler, SamplerOutput
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput
-from pagedserve.worker.attn_utils import (
-    build_attn_metadata,
-    make_forward_context,
-    select_attention_backend,
-)
+from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
 from pagedserve.worker.block_table import BlockTables, single_group
 from pagedserve.worker.cudagraph import (
     BatchDescriptor,
@@ -54,7 +50,6 @@ from pagedserve.worker.input_batch import (
     prepare_inputs,
     stage_batch,
 )
-from pagedserve.worker.ops import select_input_prep_ops
 from pagedserve.worker.profile import profile_memory
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
@@ -90,9 +85,11 @@ class ModelRunner:
         # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
         self.max_num_tokens = self.capture_ladders.max_padded_tokens(self.max_num_batched_tokens)
         self.max_num_reqs_padded = self.capture_ladders.max_padded_reqs(self.max_num_reqs)
-        self.ops = select_input_prep_ops(device)
-        self.attn_backend = select_attention_backend(device)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The device's implementations, chosen once here; no step branches on the device.
+        self.platform = platform_for(device)
+        self.ops = self.platform.input_prep_ops()
+        self.attn_backend = self.platform.attention_backend()
+        self.copy_stream = self.platform.new_stream()
         self.tracer: Tracer = NullTracer()
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -108,12 +105,11 @@ class ModelRunner:
     def load_model(self) -> None:
         """Load the weights, then size every per-request buffer from the model's context."""
         # Card memory in use before this engine (CUDA context, other engines): not its budget.
-        on_cuda = self.device.type == "cuda"
-        self.memory_baseline = kv_cache.used_device_bytes(self.device) if on_cuda else 0
-        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.memory_baseline = (kv_cache.used_device_bytes(self.device)
+                                if self.platform.kv_budget_from_memory else 0)
+        before = self.platform.memory_allocated()
         self.model, self.hf_config = load_model(self.config.model, self.device, self.dtype)
-        if self.device.type == "cuda":
-            self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.weights_bytes = self.platform.memory_allocated() - before
         self.max_model_len = get_max_model_len(self.config.model, self.hf_config)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
@@ -140,17 +136,18 @@ class ModelRunner:
                                seed=self.config.model.seed)
         self.forward_fn = self.model
         compilation = self.config.compilation
-        if compilation.uses_compile(self.device.type):
+        if compilation.uses_compile(self.platform):
             self.compiled_forward = CompiledForward(
                 self.model, compilation.piece_compiler,
-                use_cuda_graphs=compilation.uses_cuda_graphs(self.device.type),
+                use_cuda_graphs=compilation.uses_cuda_graphs(self.platform),
                 one_token_forward=self._one_token_forward())
             self.forward_fn = self.compiled_forward
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
         """The fused GEMV forward for one-token steps, where configured and supported (CUDA:
         its kernels are Triton's; on the CPU the compiled forward serves every step)."""
-        if self.config.compilation.one_token_step != "gemv" or self.device.type != "cuda":
+        if (self.config.compilation.one_token_step != "gemv"
+                or not self.platform.has_triton_kernels()):
             return None
         from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
 
@@ -162,7 +159,7 @@ class ModelRunner:
 
     def capture_graphs(self) -> dict[str, list[int]]:
         """Capture the FULL and PIECEWISE graphs (CUDA only; after the KV cache exists)."""
-        if not self.config.compilation.uses_cuda_graphs(self.device.type):
+        if not self.config.compilation.uses_cuda_graphs(self.platform):
             return {}
         return capture_graphs(self)
 
@@ -170,7 +167,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if self.device.type == "cuda":
+        if self.platform.kv_budget_from_memory:
             budget = kv_cache.cuda_kv_budget(profile_memory(self), cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_memory

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.platform import platform_for
+
 _ALIGN = 64  # bytes; every array starts at a multiple (any dtype view is aligned)
 
 
@@ -48,8 +50,10 @@ class StagingBuffer:
             spans[a.name] = (offset, end)
             offset = -(-end // _ALIGN) * _ALIGN
         self.nbytes = max(offset, _ALIGN)
-        pinned = device.type == "cuda"
-        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        platform = platform_for(device)
+        self.pin_memory = platform.pin_memory
+        """The host buffer is pinned; a one-off host tensor copied to ``device`` should be too."""
+        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         self.device_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.host: dict[str, np.ndarray] = {}
         self.device_views: dict[str, torch.Tensor] = {}
@@ -57,7 +61,7 @@ class StagingBuffer:
             start, end = spans[a.name]
             self.host[a.name] = self.host_bytes[start:end].view(a.dtype).numpy()
             self.device_views[a.name] = self.device_bytes[start:end].view(a.dtype)
-        self._copied = torch.cuda.Event() if pinned else None
+        self._copied = platform.new_event()  # None where copies are synchronous
         self._copy_pending = False
 
     def wait_for_copy(self) -> None:

@@ -118,7 +118,7 @@ class RequestStates:
         self.wants_prompt_logprobs_np[slot] = wants_prompt_logprobs
         self.num_prompt_logprobs_reqs += wants_prompt_logprobs
         tokens = torch.tensor(prefill_token_ids, dtype=torch.int32)  # int32 [prefill_len], host
-        if self.device.type == "cuda":
+        if self.staging.pin_memory:
             tokens = tokens.pin_memory()  # a copy from pageable memory may wait for the device
         self.all_token_ids[slot, :prefill_len].copy_(tokens, non_blocking=True)
         return slot

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.platform import torch_input_prep_ops
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.block_table import BlockTables
-from pagedserve.worker.ops import TORCH_OPS
 from pagedserve.worker.states import RequestStates
 
 CPU = torch.device("cpu")
@@ -74,7 +74,7 @@ def test_counts_of_many_requests_are_set_at_once() -> None:
 
 def _tables() -> BlockTables:
     return BlockTables(max_num_reqs=4, max_model_len=32, max_num_tokens=16, block_size=4,
-                       device=CPU, ops=TORCH_OPS)
+                       device=CPU, ops=torch_input_prep_ops())
 
 
 def _apply(tables: BlockTables) -> None:
