@@ -151,7 +151,6 @@ def configure_cpu_allocator() -> bool:
     return all(accepted)
 
 
-
 # ---- the platform -----------------------------------------------------------------------------
 
 
