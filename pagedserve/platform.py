@@ -258,7 +258,7 @@ class Platform(abc.ABC):
         """The ``device_id`` of ``init_process_group`` (None: not bound to a device)."""
 
     @abc.abstractmethod
-    def ray_resources(self) -> tuple[dict[str, float], dict[str, float]]:
+    def ray_resources(self) -> tuple[dict[str, float], dict[str, int]]:
         """(placement-group bundle, actor options) of one rank in a Ray cluster."""
 
     # ---- device work ----
@@ -349,7 +349,7 @@ class CpuPlatform(Platform):
     def process_group_device(self) -> torch.device | None:
         return None
 
-    def ray_resources(self) -> tuple[dict[str, float], dict[str, float]]:
+    def ray_resources(self) -> tuple[dict[str, float], dict[str, int]]:
         return {"CPU": 1.0}, {"num_cpus": 1}
 
     def new_stream(self) -> torch.cuda.Stream | None:
@@ -433,7 +433,7 @@ class CudaPlatform(Platform):
     def process_group_device(self) -> torch.device | None:
         return self.device
 
-    def ray_resources(self) -> tuple[dict[str, float], dict[str, float]]:
+    def ray_resources(self) -> tuple[dict[str, float], dict[str, int]]:
         """A GPU per rank; its actor needs no CPU slot."""
         return {"GPU": 1.0}, {"num_gpus": 1, "num_cpus": 0}
 
