@@ -190,8 +190,8 @@ class CompilationConfig:
     """Also capture a PIECEWISE graph of exactly ``max_num_batched_tokens`` tokens, replayed by
     the steps that fill the token budget (every step of a burst of prompts) and by no other:
     nothing pads into it. It pays for small models, whose full-budget steps are bound by the
-    host launching each kernel (Qwen3-0.6B on an H200: 26-78 ms of launches against ~19 ms of
-    GPU work per 8,192-token step), and holds one such step's activations off the KV cache.
+    host launching each kernel (docs/gpu.md#the-budget-step-graph), and holds one such step's
+    activations off the KV cache.
     Unset: captured when a budget step's linear layers do at most ``HOST_BOUND_LAYER_FLOPS``
     per decoder layer and GPU (``worker/cudagraph.py``: Qwen3-0.6B and smaller at 8,192
     tokens, not 1B and up)."""

@@ -1,7 +1,8 @@
 """Split a traced model graph at the attention ops.
 
-Attention is the graph boundary (DESIGN.md): every call of a splitting op becomes a piece of its
-own, run eagerly between the pieces before and after it, which are compiled and captured.
+Attention is the graph boundary (docs/architecture.md#cuda-graphs): every call of a splitting
+op becomes a piece of its own, run eagerly between the pieces before and after it, which are
+compiled and captured.
 With 32 layers this gives 33 compute pieces and 32 attention pieces.
 """
 

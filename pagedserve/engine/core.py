@@ -1,9 +1,10 @@
 """EngineCore: the step loop that joins the scheduler and the model runner.
 
-One ``step()`` is the seed tour's engine step: ``Scheduler.schedule()`` plans which tokens run,
-``ModelRunner.execute_model`` runs them, ``sample_tokens`` samples the next token of every
-request whose prompt is complete, and ``Scheduler.update_from_output`` appends the tokens,
-applies stop conditions and frees the blocks of finished requests. The runner calls go through
+One ``step()`` is one engine step (docs/architecture.md#one-engine-step):
+``Scheduler.schedule()`` plans which tokens run, ``ModelRunner.execute_model`` runs them,
+``sample_tokens`` samples the next token of every request whose prompt is complete, and
+``Scheduler.update_from_output`` appends the tokens, applies stop conditions and frees the
+blocks of finished requests. The runner calls go through
 an ``Executor`` (``distributed/``): the runner in this process (TP=1), or one per
 tensor-parallel rank in worker processes or Ray actors.
 

@@ -2,8 +2,8 @@
 
 The same arithmetic as ``gguf.quants`` (so results are bit-identical: fp32 ``d * q`` and, for
 Q4_1, a separate ``+ m``), but vectorised over the whole tensor in torch instead of numpy
-groups of 16 rows, in place in the output buffer: the default model's 135M weights take
-~0.12 s on one core (numpy groups: ~3 s; torch with temporaries: ~0.45 s).
+groups of 16 rows, in place in the output buffer, with no temporaries of the tensor's size
+(docs/cpu.md#start-up-on-the-host).
 
 Block layouts (32 weights per block; ``d``, ``m``: float16 scale and minimum):
   Q8_0: d, int8 q[32]                          w = d * q

@@ -31,8 +31,8 @@ def _gguf_tokenizer_class(gguf_file: Path) -> type[PreTrainedTokenizerBase] | No
     Raises ValueError naming the file when it is not a readable GGUF file.
 
     Why not ``AutoTokenizer`` itself: for llama/qwen2/qwen3 files it first builds the model's
-    config through transformers' old GGUF reader, ~3 s of parsing the vocabulary once more;
-    the class's own GGUF path (a fast reader) takes ~0.3 s.
+    config through transformers' old GGUF reader, parsing the whole vocabulary once more; the
+    class's own GGUF path uses a fast reader (docs/cpu.md#start-up-on-the-host).
     """
     if any((gguf_file.parent / name).exists() for name in TOKENIZER_FILES):
         return None

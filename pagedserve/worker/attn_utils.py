@@ -1,5 +1,7 @@
-"""Attention plumbing of the runner: backend choice, one metadata object per step (stop 5) and
-the forward context that carries it to every layer by name (stop 6)."""
+"""Attention plumbing of the runner: backend choice, one metadata object per step and the
+forward context that carries it to every layer by name.
+
+docs/architecture.md#step-5-attention-metadata and #step-6-forward."""
 
 from __future__ import annotations
 
