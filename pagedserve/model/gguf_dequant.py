@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QType
-from gguf import quants
 
 from pagedserve.model.gguf_file import GGUFTensor
 
