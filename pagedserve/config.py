@@ -62,6 +62,16 @@ class ModelConfig:
     """Context length; defaults to the model's ``max_position_embeddings``."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     served_model_name: str | None = None
+    revision: str | None = None
+    """Branch, tag or commit of a hub model (``--model org/name``); None: the default branch."""
+    tokenizer_revision: str | None = None
+    """Branch, tag or commit of a hub tokenizer; None: ``revision``."""
+    download_dir: str | None = None
+    """Hub cache folder for hub names; None: the hub's own (``HF_HOME`` / ``HF_HUB_CACHE``)."""
+    generation_config: str = "auto"
+    """Default sampling values: auto (the model folder's ``generation_config.json``), vllm (the
+    engine's own defaults), or a folder holding a ``generation_config.json``. Request fields
+    always win."""
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -29,7 +29,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.gc_heap import freeze_startup_heap
 from pagedserve.model.loader import get_max_model_len
-from pagedserve.model.resolve import ResolvedModel, resolve_model
+from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import configure_process, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedM
     It reads the model's config (seconds for a GGUF file), so ``EngineCore`` does not call it:
     the model runner reads that config once while loading.
     """
-    resolved = resolve_model(config.model.model, config.model.load_format)
+    resolved = resolve_model_config(config.model)
     config = resolve_device_and_dtype(config)
     max_model_len = get_max_model_len(config.model, resolved.hf_config)
     model = dataclasses.replace(config.model, max_model_len=max_model_len)

@@ -19,7 +19,7 @@ from pagedserve.distributed.parallel_state import TensorParallelGroup, get_tp_gr
 from pagedserve.model.checkpoint import WeightStream, iterate_weights
 from pagedserve.model.dummy_weights import load_dummy_weights
 from pagedserve.model.registry import get_model_class
-from pagedserve.model.resolve import CheckpointError, ResolvedModel, resolve_model
+from pagedserve.model.resolve import CheckpointError, ResolvedModel, resolve_model_config
 
 __all__ = [
     "check_tensor_parallel_size",
@@ -96,7 +96,7 @@ def load_model(
     (``get_tp_group()``; a single rank unless a worker joined a group at start-up).
     """
     tp = get_tp_group() if tp is None else tp
-    resolved = resolve_model(model_config.model, model_config.load_format)
+    resolved = resolve_model_config(model_config)
     get_max_model_len(model_config, resolved.hf_config)  # refuse a bad length before building
     check_tensor_parallel_size(resolved.hf_config, tp.size, resolved.config_source)
     model_class = _model_class(resolved)

@@ -96,11 +96,15 @@ def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
 
 
 def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
-    """``model_config.tokenizer`` (a folder or ``.gguf`` file) if set, else the model's own."""
+    """``model_config.tokenizer`` (a folder, ``.gguf`` file or hub name) if set, else the
+    model's own."""
     if model_config.tokenizer:
-        folder, gguf_file = locate(model_config.tokenizer, "tokenizer")
+        revision = model_config.tokenizer_revision or model_config.revision
+        folder, gguf_file = locate(model_config.tokenizer, "tokenizer", revision,
+                                   model_config.download_dir)
     else:
-        folder, gguf_file = locate(model_config.model)
+        folder, gguf_file = locate(model_config.model, "model", model_config.revision,
+                                   model_config.download_dir)
     if gguf_file is not None:
         return tokenizer_from_gguf(gguf_file)
     return tokenizer_from_folder(folder)
