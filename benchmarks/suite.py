@@ -1,9 +1,15 @@
-"""The issue-11 figures in one process (one engine start for the 8B workloads).
+"""The headline GPU figures in one process (one engine start for the 8B workloads).
 
-``python benchmarks/h200_suite.py --out DIR`` runs, on a CUDA machine, the project's own bench
-code (``pagedserve.entrypoints.bench``: the same functions ``pagedserve bench latency`` and
-``pagedserve bench throughput`` call) on the Llama-3-8B shape with dummy bf16 weights, then a
-warm start-up, then the Qwen3-0.6B shape. Each result is one JSON line in DIR/suite.json.
+``python benchmarks/suite.py --out DIR [--sections tiny,b1,b64,t1024,t2048,warm,qwen3,t1000]``
+runs, on a CUDA machine, the project's own bench code (``pagedserve.entrypoints.bench``: the
+same functions ``pagedserve bench latency`` and ``pagedserve bench throughput`` call) on the
+Llama-3-8B shape with dummy bf16 weights, greedy: ``tiny`` (the fast path's greedy tokens equal
+the CPU reference's on a tiny fp32 Llama), ``b1`` / ``b64`` (decode step at batch 1 / 64,
+1024-token prompts), ``t1024`` / ``t2048`` / ``t1000`` (1000 prompts of 1024 in / 128 out,
+2048 / 128, 1000 / 1000; output tok/s, ratio to the roofline, and on NVIDIA cards the energy
+and output tokens per joule), ``warm`` (a warm start-up in a fresh process), ``qwen3`` (the
+Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy). Each result is one JSON line
+in DIR/suite.json; BENCHMARKS.md shows them.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_memory_verdicts(check: ModuleType) -> None:
     fast = {"card_bytes": 100 * gib, "memory_baseline_bytes": gib // 2,
             "free_after_start_bytes": 12 * gib, "free_at_largest_step_bytes": 9 * gib,
             "graphs": {"estimate_bytes": 3 * 2**20, "actual_bytes": 2**20}}
-    verdict = check._memory_checks(fast, util=0.9, tolerance=gib // 4)
+    verdict = check.memory_checks(fast, util=0.9, tolerance=gib // 4)
     assert verdict["free_after_start_ok"] is True
     assert verdict["free_at_largest_step_ok"] is False  # 9 GiB < 10 - 0.5 - 0.25 GiB
     assert verdict["margin_at_largest_step_gib"] == -0.25
