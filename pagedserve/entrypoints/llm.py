@@ -171,6 +171,25 @@ class LLM:
             child_ids = self.output_processor.abort_requests([processed.request_id])
             self.engine_core.abort_requests(child_ids)
 
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one prompt without running it and return its request id; ``step`` runs it.
+        For callers that drive the engine step by step (profilers, step timers)."""
+        processed = self.input_processor.process_inputs(
+            str(next(self._request_counter)), prompt, sampling_params or SamplingParams()
+        )
+        self._add(processed, RequestOutputKind.FINAL_ONLY)
+        return processed.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step over the queued requests; returns the outputs of the requests
+        that finished in it. ``RuntimeError`` when nothing is queued."""
+        if not self.has_unfinished_requests():
+            raise RuntimeError("step: no requests are queued (add_request first)")
+        return self._step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
     # -- the engine loop -----------------------------------------------------------------------
 
     def _add(self, processed: ProcessedRequest, output_kind: RequestOutputKind) -> None:

@@ -4,7 +4,8 @@ energy counter read before and after; and the exact busy figure from a kernel tr
 (``busy_union_us`` over the profiler's kernel intervals).
 
 The energy matters because the H200 runs at its 700 W power limit through a long decode
-workload: the time of a step is then its energy over 700 W (BENCHMARKS.md).
+workload: the time of a step is then its energy over 700 W
+(docs/performance.md#the-power-limit-and-the-power-floor).
 """
 
 from __future__ import annotations
