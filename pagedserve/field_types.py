@@ -52,7 +52,8 @@ def holds(value: Any, tp: type) -> bool:
 def check_field_types(obj: object) -> None:
     """Raise ValueError naming the first bool / int / float / str field of ``obj`` that holds
     a value of another type (None passes where the field allows it)."""
-    for name, (tp, optional) in _scalar_fields(type(obj)).items():
+    cls: type = type(obj)
+    for name, (tp, optional) in _scalar_fields(cls).items():
         value = getattr(obj, name)
         if not (holds(value, tp) or (optional and value is None)):
             raise ValueError(

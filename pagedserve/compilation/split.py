@@ -47,7 +47,7 @@ def split_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]:
             piece += 1
         else:
             piece_of[node] = piece
-    split_gm = split_module(gm, None, lambda n: piece_of[n], keep_original_order=True)
+    split_gm = split_module(gm, gm, lambda n: piece_of[n], keep_original_order=True)
     splitting = {f"submod_{piece_of[n]}" for n in piece_of if is_splitting_node(n)}
     pieces = [
         Piece(name, name in splitting)

@@ -31,6 +31,7 @@ from pagedserve.engine.input_processor import (
     InputProcessor,
     ProcessedRequest,
     PromptType,
+    as_conversations,
 )
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.model.generation_config import default_sampling_values
@@ -145,7 +146,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = as_conversations(messages)
         prompts = [
             self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c,
                                              add_generation_prompt)

@@ -10,6 +10,9 @@ checkpoint through it: every parameter's ``weight_loader`` keeps this rank's sli
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -30,10 +33,19 @@ __all__ = [
 ]
 
 
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """A model class of the registry: it maps checkpoint tensors onto its parameters."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+
 def load_checkpoint(model: nn.Module, resolved: ResolvedModel) -> None:
     """Stream the checkpoint into ``model``. ``model.load_weights`` raises ValueError naming the
     tensor (a shape that does not fit, a name that matches no parameter, parameters left
     without a tensor); we add the file it came from."""
+    if not isinstance(model, LoadsWeights):
+        raise TypeError(f"{type(model).__name__} has no load_weights method")
     stream = WeightStream(resolved)
     try:
         model.load_weights(stream)

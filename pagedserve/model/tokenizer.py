@@ -9,6 +9,7 @@ start-up loads it instead of converting the vocabulary again.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TokenizersBackend
 from transformers.models.auto import TOKENIZER_MAPPING
@@ -39,7 +40,13 @@ def _gguf_tokenizer_class(gguf_file: Path) -> type[PreTrainedTokenizerBase] | No
     arch = GGUFFile(gguf_file).metadata.get("general.architecture")  # ValueError if unreadable
     if arch not in GGUF_ARCHS:
         return None
-    return TOKENIZER_MAPPING.get(GGUF_ARCHS[arch].config_class, None) or TokenizersBackend
+    # transformers annotates the mapping's values as (slow, fast) pairs; since v5 they are the
+    # tokenizer class itself.
+    registered = cast(
+        "type[PreTrainedTokenizerBase] | None",
+        TOKENIZER_MAPPING.get(GGUF_ARCHS[arch].config_class, None),
+    )
+    return registered or TokenizersBackend
 
 
 def _gguf_chat_template(gguf_file: Path) -> str | None:
@@ -48,7 +55,7 @@ def _gguf_chat_template(gguf_file: Path) -> str | None:
 
 
 def _convert_gguf_tokenizer(
-    gguf_file: Path, tokenizer_class: type[PreTrainedTokenizerBase]
+    gguf_file: Path, tokenizer_class: type[PreTrainedTokenizerBase] | type[AutoTokenizer]
 ) -> PreTrainedTokenizerBase:
     """Build the tokenizer from ``tokenizer.ggml.*``. transformers (in current versions) also
     takes the chat template from ``tokenizer.chat_template``; we read it ourselves if not."""

@@ -53,7 +53,7 @@ def sampler_for(
     """A Sampler holding params in reversed, offset slots (so idx_mapping matters)."""
     sampler = Sampler(len(params) + 3, V, DEVICE, seed=engine_seed)
     slots = [len(params) + 2 - row for row in range(len(params))]
-    for slot, p in zip(slots, params):
+    for slot, p in zip(slots, params, strict=True):
         sampler.add_request(slot, p, [1], [])
     sampler.states.copy_to_device()
     idx_mapping, idx_np = batch_of(slots, DEVICE)

@@ -70,7 +70,8 @@ class GpuBusySampler:
 
     def measure(self, fn: Callable[[], T]) -> T:
         thread = threading.Thread(target=self._run, daemon=True)
-        energy_start = self.read_energy_j() if self.read_energy_j else None
+        read_energy_j = self.read_energy_j
+        energy_start = read_energy_j() if read_energy_j else None
         start = time.perf_counter()
         thread.start()
         try:
@@ -79,8 +80,8 @@ class GpuBusySampler:
             self._stop.set()
             thread.join()
             self.wall_s = time.perf_counter() - start
-            if energy_start is not None:
-                self.energy_j = self.read_energy_j() - energy_start
+            if read_energy_j and energy_start is not None:
+                self.energy_j = read_energy_j() - energy_start
 
     @property
     def busy_fraction(self) -> float | None:
