@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedserve.field_types import check_field_types, require, without_none
+from pagedserve.field_types import ByteSize, byte_size, check_field_types, require, without_none
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -91,14 +91,17 @@ class CacheConfig:
     """Tokens per KV block."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights + activations + KV cache)."""
-    kv_cache_memory: int = 256 * 1024 * 1024
-    """Byte budget of the KV cache on the CPU."""
+    kv_cache_memory: ByteSize = ByteSize(256 * 1024 * 1024)
+    """Byte budget of the KV cache on the CPU (a count of bytes or text: 4GiB, 512MiB, 2GB)."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks; overrides both budgets."""
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        # frozen: the one normalisation, text with a unit -> bytes, before the checks
+        object.__setattr__(self, "kv_cache_memory",
+                           byte_size("kv_cache_memory", self.kv_cache_memory))
         _check_fields(self)
         require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
