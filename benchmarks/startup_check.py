@@ -149,9 +149,9 @@ def _greedy(llm: Any, prompts: list[list[int]], num_tokens: int) -> list[dict]:
 
 def _graph_report(runner: Any) -> dict[str, Any]:
     compiled = runner.compiled_forward
-    if compiled is None or compiled.graph_pool is None:
+    if compiled is None or not runner.graphs.enabled:
         return {}
-    m = compiled.graph_pool.memory
+    m = runner.graphs.memory
     estimate = None if m.full_estimate is None else (m.piecewise or 0) + m.full_estimate
     actual = None if m.full is None else (m.piecewise or 0) + m.full
     stats = compiled.compile_stats
