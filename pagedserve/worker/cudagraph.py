@@ -354,6 +354,7 @@ class CudaGraphManager:
 
     @property
     def enabled(self) -> bool:
+        """Whether graphs are captured at all (a pool exists)."""
         return self.pool is not None
 
     # ---- each step ----------------------------------------------------------------------
@@ -397,9 +398,16 @@ class CudaGraphManager:
         Returns the captured sizes ({} where graphs are off)."""
         if self.pool is None:
             return {}
-        pool, device = self.pool, self.device
         if not self.captured[CudaGraphMode.PIECEWISE]:
             self._capture_piecewise(runner, forward, num_blocks)
+        self._capture_full(runner, forward, num_blocks)
+        return self.captured_sizes()
+
+    def _capture_full(self, runner: StepRunner, forward: CompiledForward | None,
+                      num_blocks: int) -> None:
+        """Capture every FULL size after one warm-up (the largest); records their memory."""
+        pool, _ = self._require_graphs(forward)
+        device = self.device
         sizes = self._full_sizes(num_blocks)
         start, before = time.perf_counter(), used_device_bytes(device)
         with pool.capture_phase(device):
@@ -418,7 +426,6 @@ class CudaGraphManager:
                   f"{actual / _GIB:.3f} GiB{estimate}",
                   graphs=len(sizes), bytes=memory.full, estimate_bytes=memory.full_estimate,
                   all_graphs_bytes=actual)
-        return self.captured_sizes()
 
     def _capture_piecewise(self, runner: StepRunner, forward: CompiledForward | None,
                            num_blocks: int) -> list[int]:
