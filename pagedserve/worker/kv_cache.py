@@ -2,33 +2,22 @@
 
 One block holds ``block_size`` tokens of keys and values of every attention layer. The number
 of blocks comes from, in order: ``num_gpu_blocks_override``; on the CPU the
-``kv_cache_memory`` byte budget; on CUDA the budget of a ``MemoryProfile`` (profile.py):
-
-    gpu_memory_utilization x card memory
-      - what the engine holds before the cache (weights, runner buffers, library workspaces,
-        loaded kernels: card memory in use now minus what was in use before the engine)
-      - peak activations of the largest step
-      - CUDA graphs (PIECEWISE measured, FULL estimated; graph_capture.py)
-
-so that the engine at its largest step uses ``gpu_memory_utilization`` of the card; alone in
-its process on an empty card it leaves ``1 - gpu_memory_utilization`` free, less the CUDA
-context, which exists before the engine.
-A budget never yields more blocks than ``max_num_seqs`` full-length requests could use (plus
-the block pool's null block).
+``kv_cache_memory`` byte budget; on CUDA the budget the memory profile leaves
+(``profile.MemoryProfile.kv_budget``). A budget never yields more blocks than ``max_num_seqs``
+full-length requests could use (plus the block pool's null block). See
+docs/architecture.md#kv-cache-and-prefix-caching.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pagedserve.attention.layer import Attention
-from pagedserve.compilation.phase_log import KV_BUDGET_FIELD, log_phase
+from pagedserve.compilation.phase_log import log_phase
 from pagedserve.worker.block_table import cdiv
 
 logger = logging.getLogger(__name__)
@@ -62,64 +51,6 @@ def num_blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_blocks: 
                 bytes_per_block / 2**20, num_blocks * bytes_per_block / _GIB,
                 budget_bytes / _GIB, capped)
     return num_blocks
-
-
-@dataclass(frozen=True)
-class MemoryProfile:
-    """Device memory besides the KV cache, measured at start-up (bytes)."""
-
-    total: int
-    """The card's memory."""
-    baseline: int
-    """In use on the card before the engine loaded its weights: this process's CUDA context,
-    other engines and processes. Not the engine's: ``gpu_memory_utilization`` is the share of
-    the card the engine itself may use (vLLM's per-instance meaning)."""
-    in_use: int
-    """In use on the card before the KV cache and the graphs: the baseline plus the engine's
-    weights, runner buffers, library workspaces and loaded kernels."""
-    weights: int
-    """The model's weights (part of ``in_use``; for the log)."""
-    activations: int
-    """Peak the largest step reserves beyond ``in_use`` (allocator segments, not tensors:
-    that is what stays unavailable to others)."""
-    graphs: int
-    """CUDA graphs: PIECEWISE measured, FULL estimated."""
-
-    def __post_init__(self) -> None:
-        for name in ("total", "baseline", "in_use", "weights", "activations", "graphs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"MemoryProfile.{name}: negative ({getattr(self, name)})")
-        for name in ("baseline", "in_use"):
-            if getattr(self, name) > self.total:
-                raise ValueError(f"MemoryProfile.{name}: {getattr(self, name)} exceeds the card "
-                                 f"({self.total})")
-
-    @property
-    def engine(self) -> int:
-        """What the engine holds before its KV cache and graphs: the growth since the
-        baseline, and at least the weights (another process may have freed memory since)."""
-        return max(self.in_use - self.baseline, self.weights)
-
-    def kv_budget(self, gpu_memory_utilization: float) -> int:
-        """``gpu_memory_utilization x total - engine - activations - graphs`` (may be < 0)."""
-        allowed = int(gpu_memory_utilization * self.total)
-        return allowed - self.engine - self.activations - self.graphs
-
-
-def cuda_kv_budget(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
-    """The KV cache's byte budget; logs every term."""
-    budget = profile.kv_budget(gpu_memory_utilization)
-    logger.info(
-        "KV cache budget: %.2f x %.2f GiB - weights %.2f GiB - other %.2f GiB (buffers, "
-        "workspaces, kernels) - activations %.2f GiB - CUDA graphs %.2f GiB = %.2f GiB (%.2f "
-        "GiB were in use before the engine)", gpu_memory_utilization, profile.total / _GIB,
-        profile.weights / _GIB, (profile.engine - profile.weights) / _GIB,
-        profile.activations / _GIB, profile.graphs / _GIB, budget / _GIB,
-        profile.baseline / _GIB,
-        extra={KV_BUDGET_FIELD: {**dataclasses.asdict(profile), "budget": budget,
-                                 "gpu_memory_utilization": gpu_memory_utilization}},
-    )  # fmt: skip
-    return budget
 
 
 def used_device_bytes(device: torch.device) -> int:

@@ -40,13 +40,7 @@ from pagedserve.worker.attn_utils import (
     select_attention_backend,
 )
 from pagedserve.worker.block_table import BlockTables, single_group
-from pagedserve.worker.cudagraph import (
-    BatchDescriptor,
-    CudaGraphMode,
-    capture_ladders,
-    dispatch,
-)
-from pagedserve.worker.graph_capture import capture_graphs
+from pagedserve.worker.cudagraph import CudaGraphManager, padded_buffer_sizes
 from pagedserve.worker.input_batch import (
     InputBatch,
     InputBuffers,
@@ -55,7 +49,7 @@ from pagedserve.worker.input_batch import (
     stage_batch,
 )
 from pagedserve.worker.ops import select_input_prep_ops
-from pagedserve.worker.profile import profile_memory
+from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
@@ -86,10 +80,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.capture_ladders = capture_ladders(config)
         # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
-        self.max_num_tokens = self.capture_ladders.max_padded_tokens(self.max_num_batched_tokens)
-        self.max_num_reqs_padded = self.capture_ladders.max_padded_reqs(self.max_num_reqs)
+        self.max_num_tokens, self.max_num_reqs_padded = padded_buffer_sizes(config)
         self.ops = select_input_prep_ops(device)
         self.attn_backend = select_attention_backend(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -97,11 +89,7 @@ class ModelRunner:
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
-        # Graphs: sizes captured per mode, and the mode being captured right now (start-up).
         self.compiled_forward: CompiledForward | None = None
-        self.captured_sizes: dict[CudaGraphMode, set[int]] = {
-            CudaGraphMode.FULL: set(), CudaGraphMode.PIECEWISE: set()}
-        self.capturing: CudaGraphMode | None = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -118,10 +106,10 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
-        # The model's shape decides an unset budget_step_graph; token buffers do not depend on
-        # the exact sizes (max_padded_tokens reads the ladders only), so they stay as sized.
-        self.capture_ladders = capture_ladders(self.config,
-                                               ModelShape.from_hf_config(self.hf_config))
+        # The model's shape decides an unset budget_step_graph (the buffers' sizes do not
+        # depend on it: see padded_buffer_sizes).
+        self.graphs = CudaGraphManager(self.config, ModelShape.from_hf_config(self.hf_config),
+                                       self.max_model_len, self.device)
         self.layer_names = list(self.attn_layers)
         # Every array the host writes for the device each step, in one buffer: one copy.
         self.staging = StagingBuffer(
@@ -142,8 +130,7 @@ class ModelRunner:
         compilation = self.config.compilation
         if compilation.uses_compile(self.device.type):
             self.compiled_forward = CompiledForward(
-                self.model, compilation.piece_compiler,
-                use_cuda_graphs=compilation.uses_cuda_graphs(self.device.type),
+                self.model, compilation.piece_compiler, self.graphs.pool,
                 one_token_forward=self._one_token_forward())
             self.forward_fn = self.compiled_forward
 
@@ -161,17 +148,20 @@ class ModelRunner:
         return GemvDecodeForward(self.model)
 
     def capture_graphs(self) -> dict[str, list[int]]:
-        """Capture the FULL and PIECEWISE graphs (CUDA only; after the KV cache exists)."""
-        if not self.config.compilation.uses_cuda_graphs(self.device.type):
-            return {}
-        return capture_graphs(self)
+        """Capture the FULL and PIECEWISE graphs (after the KV cache exists; {} where graphs
+        are off)."""
+        return self.graphs.capture(self, self.compiled_forward, self.num_blocks)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type == "cuda":
-            budget = kv_cache.cuda_kv_budget(profile_memory(self), cache.gpu_memory_utilization)
+            step = profile_step(self.max_num_batched_tokens, self.max_num_reqs,
+                                self.max_model_len, self.block_size)
+            profiler = MemoryProfiler(self.device, step, self.memory_baseline, self.weights_bytes)
+            profile = profiler.measure(self, self.compiled_forward, self.graphs)
+            budget = profile.log_kv_budget(cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_memory
         per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
@@ -250,16 +240,6 @@ class ModelRunner:
         hidden_states = self._run_model(batch, metadata)
         self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states)
 
-    def _execution_mode(self, descriptor: BatchDescriptor) -> CudaGraphMode:
-        """How a step really runs: the descriptor's graph if it was captured (or is being
-        captured now), else eagerly, with the tokens padded as the descriptor says."""
-        mode = descriptor.mode
-        if mode is CudaGraphMode.NONE:
-            return mode
-        if self.capturing is mode or descriptor.num_tokens in self.captured_sizes[mode]:
-            return mode
-        return CudaGraphMode.NONE
-
     def _flush_block_tables(self) -> None:
         """A step without tokens still lands its staged block-table writes, so entries never
         pile up across steps (a flat index must not repeat within one scatter)."""
@@ -271,14 +251,12 @@ class ModelRunner:
         plan = plan_batch(so.num_scheduled_tokens, self.states)
         plan.check(so.total_num_scheduled_tokens, self.max_num_batched_tokens, self.max_model_len,
                    self.block_tables.num_blocks_np, self.block_size)
-        descriptor = dispatch(plan.num_reqs, plan.num_tokens, plan.uniform_decode_len,
-                              self.capture_ladders, self.config.compilation.enforce_eager)
-        mode = self._execution_mode(descriptor)
+        descriptor, mode = self.graphs.dispatch(plan)
         self.tracer.record("batch", req_ids=plan.req_ids, idx_mapping=plan.idx_mapping_np,
                            query_lens=plan.query_lens_np, has_prefill=plan.has_prefill,
                            uniform_decode_len=plan.uniform_decode_len, descriptor=descriptor,
                            execution_mode=mode,
-                           capture_sizes=self.capture_ladders.ladder(descriptor.mode))
+                           capture_sizes=self.graphs.ladders.ladder(descriptor.mode))
         query_start_loc_np = stage_batch(plan, self.buffers)
         # The step's one host-to-device copy: slot counts, batch rows, block-table entries.
         self.staging.copy_to_device()

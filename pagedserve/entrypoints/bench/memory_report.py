@@ -30,10 +30,11 @@ def graph_report(llm: LLM) -> dict[str, Any]:
     """The graph memory the KV budget subtracted (PIECEWISE measured + FULL estimated) next to
     what the captured graphs hold, the captured sizes and the compile's figures; empty for an
     engine without compiled graphs (the CPU, ``enforce_eager``)."""
-    compiled = llm.engine_core.model_runner.compiled_forward
-    if compiled is None or compiled.graph_pool is None:
+    runner = llm.engine_core.model_runner
+    compiled = runner.compiled_forward
+    if compiled is None or not runner.graphs.enabled:
         return {}
-    m = compiled.graph_pool.memory
+    m = runner.graphs.memory
     estimate = None if m.full_estimate is None else (m.piecewise or 0) + m.full_estimate
     actual = None if m.full is None else (m.piecewise or 0) + m.full
     stats = compiled.compile_stats
