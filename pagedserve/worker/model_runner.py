@@ -146,17 +146,13 @@ class ModelRunner:
             self.forward_fn = self.compiled_forward
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
-        """The fused GEMV forward for one-token steps, where configured and supported (CUDA:
-        its kernels are Triton's; on the CPU the compiled forward serves every step)."""
+        """The model's own forward for one-token steps, where configured and the model has one
+        (CUDA: the fused GEMV kernels are Triton's; on the CPU the compiled forward serves
+        every step)."""
         if self.config.compilation.one_token_step != "gemv" or self.device.type != "cuda":
             return None
-        from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
-
-        reason = unsupported_reason(self.model)
-        if reason is not None:
-            logger.info("one-token steps run the compiled forward: %s", reason)
-            return None
-        return GemvDecodeForward(self.model)
+        declared = getattr(self.model, "one_token_forward", None)  # a model capability
+        return None if declared is None else declared()
 
     def capture_graphs(self) -> dict[str, list[int]]:
         """Capture the FULL and PIECEWISE graphs (CUDA only; after the KV cache exists)."""
