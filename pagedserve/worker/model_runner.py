@@ -82,6 +82,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(config.model.dtype, device)
+        self.kv_cache_dtype = config.cache.cache_dtype(self.dtype)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -168,14 +169,15 @@ class ModelRunner:
             budget = kv_cache.cuda_kv_budget(profile_memory(self), cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_memory
-        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
+                                                self.kv_cache_dtype)
         max_blocks = kv_cache.max_useful_blocks(self.max_num_reqs, self.max_model_len,
                                                 self.block_size)
         return kv_cache.num_blocks_from_budget(budget, per_block, max_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks,
-                                                     self.block_size, self.dtype, self.device)
+        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
+                                                     self.kv_cache_dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         self.num_blocks = num_blocks
 

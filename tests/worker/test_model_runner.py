@@ -156,3 +156,9 @@ def test_bad_plans_are_refused(make_runner: RunnerFactory) -> None:
     plan.total_num_scheduled_tokens = 3
     with pytest.raises(ValueError, match="total_num_scheduled_tokens"):
         runner.execute_model(plan)
+
+
+def test_kv_cache_auto_dtype_is_the_models(make_runner: RunnerFactory) -> None:
+    runner = make_runner(block_size=BLOCK_SIZE)
+    assert runner.config.cache.kv_cache_dtype == "auto" and runner.dtype == torch.float32
+    assert {cache.dtype for cache in runner.kv_caches.values()} == {torch.float32}
