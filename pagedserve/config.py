@@ -12,11 +12,15 @@ import functools
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pagedserve.field_types import ByteSize, byte_size, check_field_types, require, without_none
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+KV_CACHE_DTYPES = ("auto",)
+"""The KV cache element types implemented (``auto``: the model's dtype)."""
+
+DType = TypeVar("DType")
 
 
 def choices_of(config_cls: type, name: str) -> tuple[str, ...]:
@@ -97,6 +101,7 @@ class CacheConfig:
     """Exact number of KV blocks; overrides both budgets."""
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    """Element type of the KV cache: auto (the model's dtype); other types are refused."""
 
     def __post_init__(self) -> None:
         # frozen: the one normalisation, text with a unit -> bytes, before the checks
@@ -117,6 +122,16 @@ class CacheConfig:
             f"num_gpu_blocks_override: needs at least 2 blocks (one is the null block), "
             f"got {self.num_gpu_blocks_override}",
         )
+        require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported yet; supported: "
+            + ", ".join(KV_CACHE_DTYPES),
+        )
+
+    def cache_dtype(self, model_dtype: DType) -> DType:
+        """The KV cache's element type for a model of ``model_dtype`` (``kv_cache_dtype``
+        resolved; ``auto`` is the model's own)."""
+        return model_dtype  # auto, the one value __post_init__ accepts
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pagedserve.config import (
+    CacheConfig,
     CompilationConfig,
     EngineConfig,
     ModelConfig,
@@ -69,3 +71,16 @@ def test_an_unknown_device_is_refused_naming_the_field(device: str) -> None:
 
 def test_a_numbered_cuda_device_is_a_device() -> None:
     assert EngineConfig.from_kwargs(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_cache_dtype_auto_is_the_models_dtype(dtype: torch.dtype) -> None:
+    assert CacheConfig(kv_cache_dtype="auto").cache_dtype(dtype) is dtype
+    assert EngineConfig.from_kwargs().cache.cache_dtype(dtype) is dtype  # auto by default
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "bfloat16", "banana", ""])
+def test_other_kv_cache_dtypes_are_refused_naming_the_field(value: str) -> None:
+    with pytest.raises(ValueError, match=f"^kv_cache_dtype: {value!r} is not supported yet; "
+                                         "supported: auto$"):
+        EngineConfig.from_kwargs(kv_cache_dtype=value)

@@ -55,8 +55,3 @@ def split_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]:
         if name.startswith("submod_")
     ]
     return split_gm, pieces
-
-
-def count_splitting_ops(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if is_splitting_node(n))
-

@@ -33,7 +33,29 @@ from pagedserve.core.sched_output import (
 )
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.core.step_plan import StepPlan
-from pagedserve.core.stop_check import check_stop
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Whether ``request`` is done after its last appended token; if so, set its finished
+    status (and ``stop_reason`` for a stop token). Length caps come first; EOS and stop
+    tokens count only once ``min_tokens`` tokens were generated (the stopping token
+    included). Stop strings are the detokenizer's: it finishes the request through
+    ``Scheduler.finish_requests``."""
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last_token_id = request.output_token_ids[-1]
+    if not params.ignore_eos and last_token_id == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last_token_id in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last_token_id
+        return True
+    return False
 
 
 class Scheduler:
@@ -316,10 +338,6 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
-
-    def has_finished_requests(self) -> bool:
-        """Finished requests not yet reported to the runner (it must free their slots)."""
-        return bool(self.finished_req_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -4,8 +4,8 @@
     pagedserve trace --prompt "The capital of France is" "Hello" --step 3 [--json]
 
 The engine runs real steps (scheduler + model runner); the chosen step is recorded through
-the runner's trace hook (``worker/tracer.py``), from its own buffers, and printed as one block
-per stop (text) or as one JSON object (``--json``, with complete lists).
+an observer of the runner's step phases (``worker/tracer.py``), from its own buffers, and
+printed as one block per stop (text) or as one JSON object (``--json``, with complete lists).
 """
 
 from __future__ import annotations

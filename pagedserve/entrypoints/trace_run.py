@@ -1,8 +1,8 @@
-"""Drive the engine to one step and record that step through the runner's trace hook.
+"""Drive the engine to one step and record that step through the runner's step observer.
 
 A scenario is a list of arrivals: which request enters the engine before which step. The
 engine core then runs real steps (its scheduler plans them, its runner executes them); only the
-chosen step runs with a ``RecordingTracer``, the others with the runner's default tracer.
+chosen step runs traced (``worker/tracer.py``), the others untraced.
 
 The ``seed`` scenario is a fixed example step, the one docs/trace.md reads: R1 (540-token
 prompt) and R2 (129) arrive first and are prefilled in step 1, so in step 2 they decode with
@@ -22,7 +22,7 @@ from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.tracer import RecordingTracer
+from pagedserve.worker.tracer import RecordingTracer, tracing
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,9 @@ def run_to_step(llm: LLM, arrivals: list[Arrival], params: SamplingParams,
         if not core.has_unfinished_requests():
             raise ValueError(f"step: every request finished after step {n - 1}, so step {step} "
                              "never runs (raise --max-tokens, or pass --ignore-eos)")
-        previous = runner.tracer
         if n == step:
-            runner.tracer = tracer
-        try:
+            with tracing(runner, tracer):
+                outputs = core.step()
+        else:
             outputs = core.step()
-        finally:
-            runner.tracer = previous
     return TracedStep(step, tracer.stops, outputs)

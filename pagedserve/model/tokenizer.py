@@ -18,7 +18,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.model.gguf_config import GGUF_ARCHS
 from pagedserve.model.gguf_file import GGUFFile
 from pagedserve.model.gguf_tokenizer_cache import TokenizerCache, cache_key
-from pagedserve.model.resolve import ResolvedModel, locate
+from pagedserve.model.resolve import locate
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 """Files that make ``AutoTokenizer`` pick its class from the folder rather than the model."""
@@ -93,13 +93,6 @@ def tokenizer_from_folder(folder: Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(folder)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"tokenizer: no usable tokenizer files in {folder}: {e}") from e
-
-
-def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
-    """The tokenizer of a resolved model (GGUF metadata, else the folder's tokenizer files)."""
-    if resolved.gguf_file is not None:
-        return tokenizer_from_gguf(resolved.gguf_file)
-    return tokenizer_from_folder(resolved.path)
 
 
 def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:

@@ -53,7 +53,6 @@ from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
-from pagedserve.worker.tracer import NullTracer, Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +76,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(config.model.dtype, device)
+        self.kv_cache_dtype = config.cache.cache_dtype(self.dtype)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -85,7 +85,6 @@ class ModelRunner:
         self.ops = select_input_prep_ops(device)
         self.attn_backend = select_attention_backend(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.tracer: Tracer = NullTracer()
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
@@ -135,17 +134,13 @@ class ModelRunner:
             self.forward_fn = self.compiled_forward
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
-        """The fused GEMV forward for one-token steps, where configured and supported (CUDA:
-        its kernels are Triton's; on the CPU the compiled forward serves every step)."""
+        """The model's own forward for one-token steps, where configured and the model has one
+        (CUDA: the fused GEMV kernels are Triton's; on the CPU the compiled forward serves
+        every step)."""
         if self.config.compilation.one_token_step != "gemv" or self.device.type != "cuda":
             return None
-        from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
-
-        reason = unsupported_reason(self.model)
-        if reason is not None:
-            logger.info("one-token steps run the compiled forward: %s", reason)
-            return None
-        return GemvDecodeForward(self.model)
+        declared = getattr(self.model, "one_token_forward", None)  # a model capability
+        return None if declared is None else declared()
 
     def capture_graphs(self) -> dict[str, list[int]]:
         """Capture the FULL and PIECEWISE graphs (after the KV cache exists; {} where graphs
@@ -164,14 +159,15 @@ class ModelRunner:
             budget = profile.log_kv_budget(cache.gpu_memory_utilization)
         else:
             budget = cache.kv_cache_memory
-        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
+                                                self.kv_cache_dtype)
         max_blocks = kv_cache.max_useful_blocks(self.max_num_reqs, self.max_model_len,
                                                 self.block_size)
         return kv_cache.num_blocks_from_budget(budget, per_block, max_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks,
-                                                     self.block_size, self.dtype, self.device)
+        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
+                                                     self.kv_cache_dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         self.num_blocks = num_blocks
 
@@ -216,14 +212,6 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         self._update_requests(so.scheduled_cached_reqs)
-        self.tracer.record(
-            "plan",
-            req_id_to_index=self.states.req_id_to_index,
-            num_computed_tokens=self.states.num_computed_tokens_np,
-            prefill_len=self.states.prefill_len_np,
-            num_blocks=self.block_tables.num_blocks_np,
-            block_table=self.block_tables.block_table_np,
-        )
 
     # ---- stops 2-6: inputs, attention metadata, forward -------------------------------------
 
@@ -252,23 +240,12 @@ class ModelRunner:
         plan.check(so.total_num_scheduled_tokens, self.max_num_batched_tokens, self.max_model_len,
                    self.block_tables.num_blocks_np, self.block_size)
         descriptor, mode = self.graphs.dispatch(plan)
-        self.tracer.record("batch", req_ids=plan.req_ids, idx_mapping=plan.idx_mapping_np,
-                           query_lens=plan.query_lens_np, has_prefill=plan.has_prefill,
-                           uniform_decode_len=plan.uniform_decode_len, descriptor=descriptor,
-                           execution_mode=mode,
-                           capture_sizes=self.graphs.ladders.ladder(descriptor.mode))
         query_start_loc_np = stage_batch(plan, self.buffers)
         # The step's one host-to-device copy: slot counts, batch rows, block-table entries.
         self.staging.copy_to_device()
         self.block_tables.apply_staged_writes()
-        batch = prepare_inputs(plan, query_start_loc_np, descriptor, mode, self.buffers,
-                               self.states, self.ops)
-        self.tracer.record("inputs", query_start_loc=batch.query_start_loc,
-                           query_start_loc_buffer=self.buffers.query_start_loc,
-                           input_ids=batch.input_ids, positions=batch.positions,
-                           seq_lens=batch.seq_lens, logits_indices=batch.logits_indices,
-                           is_padding=batch.is_padding)
-        return batch
+        return prepare_inputs(plan, query_start_loc_np, descriptor, mode, self.buffers,
+                              self.states, self.ops)
 
     def _prepare_attn(self, batch: InputBatch) -> AttentionMetadata:
         block_table = self.block_tables.gather_block_tables(batch.idx_mapping,
@@ -276,18 +253,12 @@ class ModelRunner:
         slot_mapping = self.block_tables.compute_slot_mappings(
             batch.idx_mapping, batch.query_start_loc, self.buffers.positions,
             batch.num_tokens_after_padding)
-        self.tracer.record("attn", block_table=block_table, slot_mapping=slot_mapping,
-                           block_size=self.block_size)
-        metadata = build_attn_metadata(batch, block_table, slot_mapping, self.max_model_len)
-        self.tracer.record("metadata", metadata=metadata, layer_names=self.layer_names)
-        return metadata
+        return build_attn_metadata(batch, block_table, slot_mapping, self.max_model_len)
 
     def _run_model(self, batch: InputBatch, metadata: AttentionMetadata) -> torch.Tensor:
         ctx = make_forward_context(self.attn_layers, metadata, batch)
         with set_forward_context(ctx):
-            hidden_states = self.forward_fn(batch.input_ids, batch.positions)
-        self.tracer.record("forward", hidden_states=hidden_states, cudagraph_mode=batch.mode)
-        return hidden_states
+            return self.forward_fn(batch.input_ids, batch.positions)
 
     # ---- stops 13-14: logits, sampler, output -------------------------------------------------
 
@@ -337,10 +308,13 @@ class ModelRunner:
     def _sample(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,
                 idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> SamplerOutput:
         """``idx_mapping`` is int64: the sampler's index ops take it without a conversion."""
-        sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
-        logits = self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
-        self.tracer.record("logits", logits=logits, logits_indices=logits_indices)
+        logits = self._compute_logits(hidden_states, logits_indices)  # [num_rows, V]
         return self.sampler(logits, idx_mapping, idx_mapping_np)
+
+    def _compute_logits(self, hidden_states: torch.Tensor,
+                        logits_indices: torch.Tensor) -> torch.Tensor:
+        sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
+        return self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
 
     def _postprocess(self, idx_mapping: torch.Tensor, sampler_output: SamplerOutput) -> None:
         """The next step reads these tokens on the device; the host never needs them to build
@@ -348,5 +322,3 @@ class ModelRunner:
         sampled = sampler_output.sampled_token_ids  # int64 [num_rows]
         self.states.last_sampled_tokens.index_copy_(0, idx_mapping, sampled)  # int64 idx_mapping
         self.sampler.update_after_sampling(idx_mapping, sampled)
-        self.tracer.record("sample", sampled_token_ids=sampled, idx_mapping=idx_mapping,
-                           last_sampled_tokens=self.states.last_sampled_tokens)
