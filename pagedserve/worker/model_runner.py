@@ -1,16 +1,15 @@
-"""The model runner: one engine step on the device, as the seed's forward-pass tour walks it.
+"""The model runner: one engine step on the device (docs/architecture.md#one-engine-step).
 
-``execute_model`` applies the scheduler's plan to the request slots (stop 1), orders the batch
-and picks its graph descriptor (2), builds the inputs (3), block tables and slot mappings (4),
-one attention metadata object (5), and runs the model inside the forward context (6-12); the
-hidden states are kept. ``sample_tokens`` turns the last row of each request whose prefill is
-complete into logits, samples, writes ``last_sampled_tokens`` on the device for the next step,
-and copies the result to the host (13-14).
+``execute_model`` applies the scheduler's plan to the request slots (step 1), orders the batch
+and picks its graph descriptor (step 2), builds the inputs (step 3), block tables and slot
+mappings (step 4), one attention metadata object (step 5), and runs the model inside the
+forward context (step 6); the hidden states are kept. ``sample_tokens`` turns the last row of
+each request whose prefill is complete into logits, samples, writes ``last_sampled_tokens`` on
+the device for the next step, and starts the copy of the result to the host (steps 7-8).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,8 +52,6 @@ from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -177,7 +174,7 @@ class ModelRunner:
             layer.kv_cache = None
         self.kv_caches = {}
 
-    # ---- stop 1: the plan -----------------------------------------------------------------
+    # ---- step 1: the plan (docs/architecture.md#step-1-apply-the-plan) --------------------
 
     def _remove_request(self, req_id: str) -> None:
         slot = self.states.remove_request(req_id)
@@ -213,7 +210,7 @@ class ModelRunner:
             self._add_request(new)
         self._update_requests(so.scheduled_cached_reqs)
 
-    # ---- stops 2-6: inputs, attention metadata, forward -------------------------------------
+    # ---- steps 2-6: batch, inputs, attention metadata, forward ------------------------------
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -260,7 +257,7 @@ class ModelRunner:
         with set_forward_context(ctx):
             return self.forward_fn(batch.input_ids, batch.positions)
 
-    # ---- stops 13-14: logits, sampler, output -------------------------------------------------
+    # ---- steps 7-8: logits, sampler, output ----------------------------------------------
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
