@@ -95,8 +95,9 @@ class CacheConfig:
     """Tokens per KV block."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights + activations + KV cache)."""
-    kv_cache_memory: ByteSize = ByteSize(256 * 1024 * 1024)
-    """Byte budget of the KV cache on the CPU (a count of bytes or text: 4GiB, 512MiB, 2GB)."""
+    kv_cache_memory: ByteSize | None = None
+    """Byte budget of the KV cache on the CPU (a count of bytes or text: 4GiB, 512MiB, 2GB).
+    None: 4 GiB, or half the memory available at start-up where that is less."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks; overrides both budgets."""
     enable_prefix_caching: bool = True
@@ -105,8 +106,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         # frozen: the one normalisation, text with a unit -> bytes, before the checks
-        object.__setattr__(self, "kv_cache_memory",
-                           byte_size("kv_cache_memory", self.kv_cache_memory))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory",
+                               byte_size("kv_cache_memory", self.kv_cache_memory))
         _check_fields(self)
         require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -116,7 +118,8 @@ class CacheConfig:
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}",
         )
-        require(self.kv_cache_memory > 0, "kv_cache_memory: must be positive")
+        require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                "kv_cache_memory: must be positive")
         require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
             f"num_gpu_blocks_override: needs at least 2 blocks (one is the null block), "

@@ -369,7 +369,8 @@ def _check_limits(
         raise ValueError(
             f"num_blocks: {num_blocks} blocks of {block_size} tokens (one is the null block) "
             f"cannot hold one request of max_model_len={max_model_len} tokens; need {needed} "
-            "(lower max_model_len or give the KV cache more memory)"
+            "(lower max_model_len, or give the KV cache more memory: kv_cache_memory on the "
+            "CPU, gpu_memory_utilization on a GPU)"
         )
     budget = scheduler_config.max_num_batched_tokens
     if not scheduler_config.enable_chunked_prefill and budget < max_model_len:

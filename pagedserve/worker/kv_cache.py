@@ -2,16 +2,23 @@
 
 One block holds ``block_size`` tokens of keys and values of every attention layer. The number
 of blocks comes from, in order: ``num_gpu_blocks_override``; on the CPU the
-``kv_cache_memory`` byte budget; on CUDA the budget the memory profile leaves
-(``profile.MemoryProfile.kv_budget``). A budget never yields more blocks than ``max_num_seqs``
-full-length requests could use (plus the block pool's null block). See
+``kv_cache_memory`` byte budget (``cpu_kv_budget``); on CUDA the budget the memory profile
+leaves (``profile.MemoryProfile.kv_budget``). A budget never yields more blocks than
+``max_num_seqs`` full-length requests could use (plus the block pool's null block). See
 docs/architecture.md#kv-cache-and-prefix-caching.
+
+On the CPU a context that does not fit the budget is shortened to what fits, with one warning
+(``fit_max_model_len``), so that a first run on a small machine works; and the cache's zeros
+come from the kernel's zero pages (``zeroed_host_tensor``), so a large budget costs memory
+only as requests fill it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import mmap
+import os
 import time
 
 import torch
@@ -25,6 +32,63 @@ logger = logging.getLogger(__name__)
 MIN_NUM_BLOCKS = 2
 """The block pool's null block plus at least one usable block."""
 _GIB = 2**30
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * _GIB
+"""vLLM's CPU default: room for the default model's full context many times over."""
+CPU_KV_SHARE_OF_AVAILABLE = 0.5
+"""The default budget never takes more than this share of the memory available at start-up,
+so a small machine keeps room for the rest of its work."""
+
+
+def available_host_bytes() -> int:
+    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), else the
+    machine's free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_kv_budget(kv_cache_memory: int | None) -> int:
+    """The CPU KV cache's byte budget: ``kv_cache_memory`` when set, else 4 GiB or half the
+    available memory, whichever is less."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, int(available_host_bytes() * CPU_KV_SHARE_OF_AVAILABLE))
+
+
+def fit_max_model_len(max_model_len: int, budget_bytes: int, bytes_per_block: int,
+                      block_size: int) -> int:
+    """``max_model_len``, or the longest context one request can hold in ``budget_bytes``
+    (whole blocks, one of them the null block) when that is shorter, with a warning naming the
+    options that restore it. ValueError naming ``kv_cache_memory`` when not one block fits."""
+    usable_blocks = max(budget_bytes, 0) // bytes_per_block - 1
+    fitting = usable_blocks * block_size
+    if fitting >= max_model_len:
+        return max_model_len
+    if usable_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: {budget_bytes / 2**20:.1f} MiB holds no KV block of "
+            f"{bytes_per_block / 2**20:.2f} MiB beside the null block; give it more memory"
+        )
+    logger.warning(
+        "max_model_len lowered from %d to %d tokens: that is what one request can hold in the "
+        "CPU KV cache's %.2f GiB (set --kv-cache-memory higher, e.g. %.1fGiB, for the full "
+        "context, or --max-model-len to choose)", max_model_len, fitting, budget_bytes / _GIB,
+        (cdiv(max_model_len, block_size) + 1) * bytes_per_block / _GIB + 0.05)
+    return fitting
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor on a private anonymous memory map: the kernel maps its pages
+    in zeroed on first touch, so untouched parts cost neither time nor memory (``torch.zeros``
+    writes every byte up front)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the map alive
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 def kv_bytes_per_block(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -71,11 +135,15 @@ def allocate_kv_caches(
 ) -> dict[str, torch.Tensor]:
     """layer name -> [2, num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
     start = time.perf_counter()
-    caches = {
-        name: torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=dtype,
-                          device=device)
-        for name, layer in layers.items()
-    }
+    if device.type == "cpu":
+        caches = {name: zeroed_host_tensor(tuple(layer.kv_cache_shape(num_blocks, block_size)),
+                                           dtype) for name, layer in layers.items()}
+    else:
+        caches = {
+            name: torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=dtype,
+                              device=device)
+            for name, layer in layers.items()
+        }
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the zero-fill belongs to the allocation's time
     nbytes = sum(t.numel() * t.element_size() for t in caches.values())

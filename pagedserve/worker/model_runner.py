@@ -85,6 +85,8 @@ class ModelRunner:
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
+        self.cpu_kv_budget: int | None = None
+        """The CPU KV cache's byte budget, decided once while loading (``_fit_cpu_context``)."""
         self.compiled_forward: CompiledForward | None = None
 
     # ---- start-up -------------------------------------------------------------------------
@@ -102,6 +104,8 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
+        if self.device.type != "cuda":
+            self.max_model_len = self._fit_cpu_context(self.max_model_len)
         # The model's shape decides an unset budget_step_graph (the buffers' sizes do not
         # depend on it: see padded_buffer_sizes).
         self.graphs = CudaGraphManager(self.config, ModelShape.from_hf_config(self.hf_config),
@@ -144,6 +148,18 @@ class ModelRunner:
         are off)."""
         return self.graphs.capture(self, self.compiled_forward, self.num_blocks)
 
+    def _fit_cpu_context(self, max_model_len: int) -> int:
+        """On the CPU the KV budget is known before anything is sized: shorten a context that
+        one request could not hold (the buffers below are sized from the result)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return max_model_len
+        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
+                                                self.kv_cache_dtype)
+        self.cpu_kv_budget = kv_cache.cpu_kv_budget(cache.kv_cache_memory)
+        return kv_cache.fit_max_model_len(max_model_len, self.cpu_kv_budget, per_block,
+                                          self.block_size)
+
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
@@ -155,7 +171,9 @@ class ModelRunner:
             profile = profiler.measure(self, self.compiled_forward, self.graphs)
             budget = profile.log_kv_budget(cache.gpu_memory_utilization)
         else:
-            budget = cache.kv_cache_memory
+            budget = (self.cpu_kv_budget if cache.kv_cache_memory is None
+                      and self.cpu_kv_budget is not None
+                      else kv_cache.cpu_kv_budget(cache.kv_cache_memory))
         per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
                                                 self.kv_cache_dtype)
         max_blocks = kv_cache.max_useful_blocks(self.max_num_reqs, self.max_model_len,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 
-from pagedserve.config import CacheConfig
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig
 from pagedserve.worker import kv_cache
 from pagedserve.worker.model_runner import ModelRunner
 from tests.worker.conftest import TINY_LLAMA, RunnerFactory
@@ -44,3 +46,50 @@ def test_initialize_kv_cache_binds_every_layer(make_runner: RunnerFactory) -> No
         assert layer.kv_cache is runner.kv_caches[name]
         assert layer.kv_cache.shape == (2, 12, 4, 2, 8)
         assert layer.backend is runner.attn_backend
+
+
+def test_cpu_default_budget_is_4gib_or_half_of_available(monkeypatch) -> None:
+    assert kv_cache.cpu_kv_budget(12345) == 12345
+    monkeypatch.setattr(kv_cache, "available_host_bytes", lambda: 64 * 2**30)
+    assert kv_cache.cpu_kv_budget(None) == 4 * 2**30
+    monkeypatch.setattr(kv_cache, "available_host_bytes", lambda: 6 * 2**30)
+    assert kv_cache.cpu_kv_budget(None) == 3 * 2**30
+
+
+def test_fit_max_model_len_lowers_to_what_one_request_holds(caplog) -> None:
+    # 10 blocks: 9 usable of 4 tokens
+    assert kv_cache.fit_max_model_len(36, 10 * 100, 100, 4) == 36
+    assert not caplog.records
+    assert kv_cache.fit_max_model_len(1024, 10 * 100 + 99, 100, 4) == 36
+    [warning] = caplog.records
+    assert "max_model_len lowered from 1024 to 36" in warning.getMessage()
+    assert "--kv-cache-memory" in warning.getMessage()
+    with pytest.raises(ValueError, match="^kv_cache_memory: "):
+        kv_cache.fit_max_model_len(1024, 150, 100, 4)
+
+
+def test_runner_context_fits_the_cpu_budget(tiny_llama_dir: Path) -> None:
+    """A budget of 10 blocks: the 1024-token context becomes 9 blocks of 4 tokens, and the
+    engine's block count holds one such request."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+        cache=CacheConfig(block_size=4, kv_cache_memory=10 * BYTES_PER_BLOCK), device="cpu")
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    assert runner.max_model_len == 36
+    assert runner.determine_num_blocks() == 10
+
+
+def test_cpu_cache_zeros_cost_no_memory_up_front() -> None:
+    before = _rss_bytes()
+    cache = kv_cache.zeroed_host_tensor((2, 1 << 16, 16, 8, 64), torch.bfloat16)  # 2 GiB
+    assert cache.shape == (2, 1 << 16, 16, 8, 64) and cache.dtype == torch.bfloat16
+    assert _rss_bytes() - before < 64 << 20
+    assert cache[1, -1].abs().sum() == 0 and cache[0, 12345].abs().sum() == 0
+    cache[0, 7] = 1.5
+    assert cache[0, 7].sum() == 1.5 * 16 * 8 * 64 and cache[0, 8].sum() == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
