@@ -2,22 +2,19 @@
 
     python benchmarks/attention_sweep.py --out DIR [--scenarios b64,b256,p8x1024,p4x2048]
 
-Decode batches of the issue-11 workloads (64 requests at context 1024: target 2; 256 at 1500:
-the middle of target 3's decode; b256r: 256 at contexts uniform in 1000..2000, as target 3's
-decode sees them; b16 and b128 at 1024) and prefill steps (8 prompts of 1024 tokens: a step of
-target 3's prefill; 4 of 2048: target 4's; 2 of 8192 and 1 of 16384: long prompts), bf16 paged KV cache (block size 16, shuffled block
-tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel (splits 0 below) and the
-split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and pipeline depth listed
-below, as KV bytes read per second against the card's copy bandwidth (session 7's variants with
-block ids loaded a tile ahead were removed with that kernel option in session 9; commit
-27780db still runs them). Prefill: the varlen kernel with query tiles of 64
-and 128 rows, as causal attention FLOPs per second against the bf16 matmul peak. Each: median
-of 15 replays of a CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
-shape per scenario).
-
-``--variants tma --block-size 64`` (or 128) times, on decode scenarios, the engine's split-KV
-launch against ``decode_tma.py``'s kernel (whole cache blocks as TMA copies) at 1, 2 and 3
-programs per SM and at one program per (request, kv head) pair.
+Decode batches of the headline workloads (b64: 64 requests at context 1024, the batch-64
+step; b256: 256 at 1500, the middle of 1000 x 1000/1000's decode; b256r: 256 at contexts
+uniform in 1000..2000, as that decode sees them; b16 and b128 at 1024) and prefill steps
+(p8x1024: 8 prompts of 1024 tokens, one step of 1000 x 1000/1000's prefill; p4x2048: one of
+1000 x 2048/128's; p2x8192 and p1x16384: long prompts), bf16 paged KV cache (``--block-size``,
+default 16, shuffled block tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel
+(splits 0 below) and the split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp
+count and pipeline depth listed below, as KV bytes read per second against the card's copy
+bandwidth. Prefill: the varlen kernel with query tiles of 64 and 128 rows, as causal
+attention FLOPs per second against the bf16 matmul peak. Each: median of 15 replays of a
+CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
+shape per scenario). The launches the engine uses (``attention/backends/triton.py``:
+``SPLIT_KV_LAUNCH``, ``FEW_PAIRS_LAUNCH``, ``PREFILL_LAUNCH``) are this sweep's winners.
 """
 
 from __future__ import annotations
@@ -29,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from decode_tma import cache_descriptors, launch_tma
-from graph_timing import COPY_BANDWIDTH, MATMUL_PEAK, graph_time_ms
 
+from pagedserve.entrypoints.bench.graph_timing import graph_time_ms
+from pagedserve.entrypoints.bench.roofline import MEASURED_CEILINGS
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
+COPY_BANDWIDTH, MATMUL_PEAK = MEASURED_CEILINGS["H200"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 # requests, context (a pair: uniform in that range)
 DECODE = {"b64": (64, 1024), "b256": (256, 1500), "b256r": (256, (1000, 2000)),
@@ -97,31 +95,6 @@ class Variant:
         return {"splits": self.splits, "launch": self.launch.__dict__}
 
 
-@dataclass(frozen=True)
-class TmaVariant:
-    """decode_tma.py's kernel (4 warps, 3 stages, one cache block per iteration) with
-    ``per_sm`` programs per SM (0: one per (request, kv head) pair)."""
-
-    per_sm: int
-
-    def runner(self, b: dict):
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        programs = self.per_sm * sms or b["num_reqs"] * KV_HEADS
-        descriptors = cache_descriptors(b["kv_cache"])
-        return lambda: launch_tma(b["output"], b["query"], b["kv_cache"], b["block_table"],
-                                  b["seq_lens"], programs, 4, 3, 1, descriptors)
-
-    def row(self) -> dict:
-        return {"splits": 1, "launch": {"tma_programs_per_sm": self.per_sm or "per pair"}}
-
-
-def tma_variants() -> list:
-    """The engine's split-KV launch for large decode batches against the TMA kernel."""
-    from pagedserve.attention.backends.triton import SPLIT_KV_LAUNCH
-
-    return [Variant(1, SPLIT_KV_LAUNCH), *(TmaVariant(n) for n in (1, 2, 3, 0))]
-
-
 def decode_variants() -> list[Variant]:
     out = [Variant(0, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
     launches = [KeyLoopLaunch(t, w, s) for t, w, s in
@@ -166,8 +139,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scenarios", default=",".join([*DECODE, "p8x1024", "p4x2048"]))
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size")
-    parser.add_argument("--variants", choices=["all", "tma"], default="all",
-                        help="decode: every launch shape, or split-KV against the TMA kernel")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -177,9 +148,7 @@ def main() -> None:
             num_reqs, context = DECODE[name]
             b = paged_batch(num_reqs, 1, context, args.block_size)
             work, ceiling, variants = (int(b["seq_lens"].sum()) * KV_HEADS * HEAD_DIM * 2 * 2,
-                                       COPY_BANDWIDTH,
-                                       tma_variants() if args.variants == "tma" else
-                                       decode_variants())
+                                       COPY_BANDWIDTH, decode_variants())
         else:  # compute-bound: causal QK^T and PV FLOPs against the matmul peak
             num_reqs, context = PREFILL[name]
             b = paged_batch(num_reqs, context, context, args.block_size)

@@ -7,15 +7,15 @@ same number of steps with ``torch.profiler`` (CUDA activity) and splits the kern
 categories. ``host gap`` is the part of the wall time during which no kernel ran: the GPU
 waited for the host. Results go to DIR/profile.json (and a Chrome trace of the batch-1 run).
 
-Scenarios drive the engine directly (``EngineCore.step``), so a step here is exactly one
-engine step: schedule, prepare inputs, forward, sample, update.
+Scenarios drive the engine step by step (``LLM.add_request`` / ``LLM.step``), so a step here
+is exactly one engine step: schedule, prepare inputs, forward, sample, update. The ``sweep``
+is what ``plot_decode.py`` draws.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -29,7 +29,6 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import CompilationConfig, choices_of
 from pagedserve.entrypoints.bench.gpu_busy import busy_union_us
-from pagedserve.outputs import RequestOutputKind
 
 CONFIGS = Path(__file__).resolve().parent / "model-configs"
 
@@ -53,24 +52,20 @@ def category(name: str) -> str:
     return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-
 def add_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> None:
     rng = np.random.default_rng(batch * 7919 + prompt_len)
     vocab = llm.engine_core.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(batch):
+    for _ in range(batch):
         ids = rng.integers(100, vocab - 100, size=prompt_len).tolist()
-        processed = llm.input_processor.process_inputs(
-            f"prof-{batch}-{prompt_len}-{i}", {"prompt_token_ids": ids}, params
-        )
-        llm._add(processed, RequestOutputKind.FINAL_ONLY)
+        llm.add_request({"prompt_token_ids": ids}, params)
 
 
 def run_steps(llm: LLM, n: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(n):
-        llm._step()
+        llm.step()
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -83,7 +78,7 @@ def profile_steps(llm: LLM, n: int, trace: Path | None) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(n):
-            llm._step()
+            llm.step()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
     if trace is not None:
@@ -115,12 +110,12 @@ def start_decoding(llm: LLM, batch: int, prompt_len: int, steps: int) -> None:
     prefill_steps = -(-batch * prompt_len // budget) + 3
     add_requests(llm, batch, prompt_len, prefill_steps + steps + 8)
     for _ in range(prefill_steps):
-        llm._step()
+        llm.step()
 
 
 def finish_all(llm: LLM) -> None:
-    while llm.output_processor.has_unfinished_requests():
-        llm._step()
+    while llm.has_unfinished_requests():
+        llm.step()
 
 
 def scenario(llm: LLM, name: str, batch: int, prompt_len: int, steps: int, out: Path) -> dict:
@@ -165,19 +160,7 @@ def main() -> None:
     parser.add_argument("--one-token-step", default=CompilationConfig.one_token_step,
                         choices=choices_of(CompilationConfig, "one_token_step"),
                         help="how batch-1 decode steps run (engine option)")
-    parser.add_argument("--add-norm", choices=("kernel", "inductor"), default="kernel",
-                        help="inductor: residual add + RMSNorm traced as torch code, the way "
-                             "the model ran before session 5 (for a before/after)")
     args = parser.parse_args()
-    if args.add_norm == "inductor":
-        from pagedserve.compilation.aot_forward import AOT_ENV
-        from pagedserve.layers import layernorm
-
-        # RMSNorm's CPU code: what Inductor compiled on the GPU too before the Triton kernel.
-        layernorm.fused_add_rms_norm = layernorm.add_rms_norm_torch
-        # The saved-forward key hashes the sources, not this patch: neither load a forward
-        # saved by a run with the kernel nor save one that a later run would load.
-        os.environ[AOT_ENV] = "0"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp())

@@ -5,8 +5,8 @@
 Ours: the ``sweep`` of ``benchmarks/gpu_profile.py`` (the mean engine step time at context
 1024, Llama-3-8B shape, dummy bf16 weights, on one H200). Roofline: ``decode_step_roofline``
 of ``pagedserve/entrypoints/bench/roofline.py`` with the measured H200 ceilings (weights once per
-step plus every KV read, or the matmul FLOPs when larger). References (issue 11, same card,
-same shape, bf16): gpt-fast at context ~1000, cuBLAS linear layers + LM head as one CUDA graph
+step plus every KV read, or the matmul FLOPs when larger). References (measured on the same
+card kind, same shape, bf16): gpt-fast at context ~1000, cuBLAS linear layers + LM head as one CUDA graph
 (no attention: an upper bound for any engine's decode), transformers eager at batch 1.
 """
 
@@ -26,7 +26,7 @@ from pagedserve.model.shape import ModelShape
 LLAMA_3_8B = ModelShape(num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                         ffn=14336, vocab=128256)  # fmt: skip
 CONTEXT = 1024
-# batch -> step ms, from issue 11's reference figures (H200, Llama-3-8B shape, bf16).
+# batch -> step ms of the reference engines (H200, Llama-3-8B shape, bf16).
 GPT_FAST_MS = {1: 5.58, 32: 16.03, 64: 26.33}
 CUBLAS_GRAPH_MS = {1: 3.95, 64: 4.10, 128: 5.63, 256: 6.80}
 TRANSFORMERS_EAGER_MS = {1: 87.7}

@@ -1,4 +1,4 @@
-"""Start-up to ready on one GPU (issue #11 target 6) and the memory it leaves (issue #7).
+"""Start-up to ready on one GPU, cold and warm, and the memory the engine leaves free.
 
 ``python benchmarks/startup_check.py --out DIR`` on one CUDA card:
 1. starts the Llama-3-8B shape (dummy bf16 weights) twice, each in a fresh subprocess sharing
@@ -147,42 +147,6 @@ def _greedy(llm: Any, prompts: list[list[int]], num_tokens: int) -> list[dict]:
             for o in outputs]
 
 
-def _graph_report(runner: Any) -> dict[str, Any]:
-    compiled = runner.compiled_forward
-    if compiled is None or compiled.graph_pool is None:
-        return {}
-    m = compiled.graph_pool.memory
-    estimate = None if m.full_estimate is None else (m.piecewise or 0) + m.full_estimate
-    actual = None if m.full is None else (m.piecewise or 0) + m.full
-    stats = compiled.compile_stats
-    return {
-        "piecewise_bytes": m.piecewise, "full_estimate_bytes": m.full_estimate,
-        "full_bytes": m.full, "estimate_bytes": estimate, "actual_bytes": actual,
-        "captured": {k: len(v) for k, v in compiled.captured_sizes().items()},
-        "num_compiles": compiled.backend.num_compiles,
-        "compile": None if stats is None else {
-            "seconds": stats.seconds, "backend_seconds": stats.backend_seconds,
-            "pieces": stats.num_pieces, "distinct_pieces": stats.num_distinct_pieces,
-            "cache": vars(stats.cache), "cache_dir": str(stats.cache_dir)},
-    }
-
-
-def _free_at_largest_step(runner: Any) -> int | None:
-    """Free memory after the profile step ran on the real cache: the allocator keeps the
-    step's peak reserved, so this is the free memory at the engine's largest step."""
-    import torch
-
-    from pagedserve.worker.profile import profile_step, run_profile_step
-
-    step = profile_step(runner.max_num_batched_tokens, runner.max_num_reqs,
-                        runner.max_model_len, runner.block_size)
-    if step.num_blocks > runner.num_blocks:
-        return None
-    run_profile_step(runner, step)
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     collector = PhaseCollector()
     package_logger = logging.getLogger("pagedserve")
@@ -192,6 +156,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pagedserve import LLM
+    from pagedserve.entrypoints.bench.memory_report import free_at_largest_step, memory_report
 
     prompts = json.loads(Path(args.prompts_file).read_text())
     llm = LLM(model=args.model_dir, load_format="dummy", dtype="bfloat16",
@@ -199,16 +164,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
               gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.child == "eager", budget_step_graph=args.budget_step_graph)
     ready_s = time.perf_counter() - _T0
-    runner = llm.engine_core.model_runner
     free_after_start, total = torch.cuda.mem_get_info()
     result: dict[str, Any] = {
         "ready_s": round(ready_s, 2), "phases": collector.phases,
         "kv_budget": collector.kv_budget, "card_bytes": total,
-        "kv_cache_bytes": sum(t.numel() * t.element_size() for t in runner.kv_caches.values()),
-        "free_after_start_bytes": free_after_start, "graphs": _graph_report(runner),
-        "memory_baseline_bytes": runner.memory_baseline,
+        "free_after_start_bytes": free_after_start, **memory_report(llm),
         # Before any request: the step needs every request slot.
-        "free_at_largest_step_bytes": _free_at_largest_step(runner),
+        "free_at_largest_step_bytes": free_at_largest_step(llm),
     }
     result["greedy"] = _greedy(llm, prompts, args.num_tokens)
     return result
@@ -233,7 +195,7 @@ def _run_subprocess(name: str, argv: list[str], env: dict[str, str], timeout: fl
             "stderr_tail": proc.stderr[-3000:]}
 
 
-def _memory_checks(fast: dict, util: float, tolerance: int) -> dict[str, Any]:
+def memory_checks(fast: dict, util: float, tolerance: int) -> dict[str, Any]:
     """The engine may use ``util`` of the card on top of what was in use before it (its
     process's CUDA context): free memory must stay above ``(1 - util) x card - baseline``."""
     card, baseline = fast["card_bytes"], fast["memory_baseline_bytes"]
@@ -304,7 +266,7 @@ def _checks(report: dict, args: argparse.Namespace) -> dict[str, Any]:
     cold, warm, eager = report["cold"], report["warm"], report["eager"]
     fast = warm if "error" not in warm else cold  # memory does not depend on the cache
     if "error" not in fast:
-        checks["memory"] = _memory_checks(fast, args.gpu_memory_utilization,
+        checks["memory"] = memory_checks(fast, args.gpu_memory_utilization,
                                           int(args.free_tolerance_gib * GIB))
         checks["graphs"] = {k: fast["graphs"].get(k) for k in
                             ("estimate_bytes", "actual_bytes", "captured", "num_compiles")}

@@ -12,14 +12,18 @@ import functools
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
-from pagedserve.field_types import check_field_types, require, without_none
+from pagedserve.field_types import ByteSize, byte_size, check_field_types, require, without_none
 
 if TYPE_CHECKING:
     from pagedserve.platform import Platform
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+KV_CACHE_DTYPES = ("auto",)
+"""The KV cache element types implemented (``auto``: the model's dtype)."""
+
+DType = TypeVar("DType")
 
 
 def choices_of(config_cls: type, name: str) -> tuple[str, ...]:
@@ -65,6 +69,16 @@ class ModelConfig:
     """Context length; defaults to the model's ``max_position_embeddings``."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     served_model_name: str | None = None
+    revision: str | None = None
+    """Branch, tag or commit of a hub model (``--model org/name``); None: the default branch."""
+    tokenizer_revision: str | None = None
+    """Branch, tag or commit of a hub tokenizer; None: ``revision``."""
+    download_dir: str | None = None
+    """Hub cache folder for hub names; None: the hub's own (``HF_HOME`` / ``HF_HUB_CACHE``)."""
+    generation_config: str = "auto"
+    """Default sampling values: auto (the model folder's ``generation_config.json``), vllm (the
+    engine's own defaults), or a folder holding a ``generation_config.json``. Request fields
+    always win."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -84,14 +98,20 @@ class CacheConfig:
     """Tokens per KV block."""
     gpu_memory_utilization: float = 0.9
     """Fraction of the GPU's memory the engine may use (weights + activations + KV cache)."""
-    kv_cache_memory: int = 256 * 1024 * 1024
-    """Byte budget of the KV cache on the CPU."""
+    kv_cache_memory: ByteSize | None = None
+    """Byte budget of the KV cache on the CPU (a count of bytes or text: 4GiB, 512MiB, 2GB).
+    None: 4 GiB, or half the memory available at start-up where that is less."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks; overrides both budgets."""
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    """Element type of the KV cache: auto (the model's dtype); other types are refused."""
 
     def __post_init__(self) -> None:
+        # frozen: the one normalisation, text with a unit -> bytes, before the checks
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory",
+                               byte_size("kv_cache_memory", self.kv_cache_memory))
         _check_fields(self)
         require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -101,12 +121,23 @@ class CacheConfig:
             0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}",
         )
-        require(self.kv_cache_memory > 0, "kv_cache_memory: must be positive")
+        require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                "kv_cache_memory: must be positive")
         require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
             f"num_gpu_blocks_override: needs at least 2 blocks (one is the null block), "
             f"got {self.num_gpu_blocks_override}",
         )
+        require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported yet; supported: "
+            + ", ".join(KV_CACHE_DTYPES),
+        )
+
+    def cache_dtype(self, model_dtype: DType) -> DType:
+        """The KV cache's element type for a model of ``model_dtype`` (``kv_cache_dtype``
+        resolved; ``auto`` is the model's own)."""
+        return model_dtype  # auto, the one value __post_init__ accepts
 
 
 @dataclass(frozen=True)
@@ -193,8 +224,8 @@ class CompilationConfig:
     """Also capture a PIECEWISE graph of exactly ``max_num_batched_tokens`` tokens, replayed by
     the steps that fill the token budget (every step of a burst of prompts) and by no other:
     nothing pads into it. It pays for small models, whose full-budget steps are bound by the
-    host launching each kernel (Qwen3-0.6B on an H200: 26-78 ms of launches against ~19 ms of
-    GPU work per 8,192-token step), and holds one such step's activations off the KV cache.
+    host launching each kernel (docs/gpu.md#the-budget-step-graph), and holds one such step's
+    activations off the KV cache.
     Unset: captured when a budget step's linear layers do at most ``HOST_BOUND_LAYER_FLOPS``
     per decoder layer and GPU (``worker/cudagraph.py``: Qwen3-0.6B and smaller at 8,192
     tokens, not 1B and up)."""

@@ -7,9 +7,38 @@ from __future__ import annotations
 
 import functools
 import numbers
+import re
 import types
 import typing
 from typing import Any
+
+ByteSize = typing.NewType("ByteSize", int)
+"""A count of bytes: an int, or (from the CLI or ``LLM(...)``) text such as ``4GiB``."""
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+"""Unit -> bytes: KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024 (as ``free -h``
+and Docker's ``--memory``), KB/MB/GB/TB powers of 1000; case does not matter."""
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def byte_size(field: str, value: Any) -> int:
+    """``value`` (an int, or text like ``4GiB``, ``512MB``, ``1.5G``, ``1073741824``) as a
+    whole number of bytes; ValueError naming ``field`` otherwise."""
+    if holds(value, int):
+        return int(value)
+    match = _BYTE_SIZE.fullmatch(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(
+            f"{field}: expected a byte count such as 4GiB, 512MiB, 2GB or 1073741824, "
+            f"got {value!r}"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
 def require(ok: bool, msg: str) -> None:
@@ -32,6 +61,7 @@ def _scalar_fields(cls: type) -> dict[str, tuple[type, bool]]:
     out = {}
     for name, tp in typing.get_type_hints(cls).items():
         base = without_none(tp)
+        base = getattr(base, "__supertype__", base)  # ByteSize -> int
         if base in (bool, int, float, str):
             out[name] = (base, base is not tp)
     return out
@@ -52,7 +82,8 @@ def holds(value: Any, tp: type) -> bool:
 def check_field_types(obj: object) -> None:
     """Raise ValueError naming the first bool / int / float / str field of ``obj`` that holds
     a value of another type (None passes where the field allows it)."""
-    for name, (tp, optional) in _scalar_fields(type(obj)).items():
+    cls: type = type(obj)
+    for name, (tp, optional) in _scalar_fields(cls).items():
         value = getattr(obj, name)
         if not (holds(value, tp) or (optional and value is None)):
             raise ValueError(

@@ -16,8 +16,10 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import math
+import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -151,6 +153,15 @@ def configure_cpu_allocator() -> bool:
     return all(accepted)
 
 
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor on a private anonymous memory map: the kernel maps its pages
+    in zeroed on first touch, so untouched parts cost neither time nor memory (``torch.zeros``
+    writes every byte up front)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the map alive
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 # ---- the platform -----------------------------------------------------------------------------
 
 
@@ -272,6 +283,11 @@ class Platform(abc.ABC):
         """An event to record on the current stream (None: nothing runs asynchronously)."""
 
     @abc.abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor on the device, for a large buffer a run may never fill (the KV
+        cache)."""
+
+    @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for the device's queued work."""
 
@@ -358,6 +374,10 @@ class CpuPlatform(Platform):
     def new_event(self) -> torch.cuda.Event | None:
         return None
 
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """From the kernel's zero pages (``zeroed_host_tensor``): memory only as it fills."""
+        return zeroed_host_tensor(tuple(shape), dtype)
+
     def synchronize(self) -> None:
         return None
 
@@ -442,6 +462,9 @@ class CudaPlatform(Platform):
 
     def new_event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event()
+
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pagedserve.config import (
+    CacheConfig,
     CompilationConfig,
     EngineConfig,
     ModelConfig,
@@ -88,3 +90,16 @@ def test_compile_and_graphs_follow_the_platform(
     for device, expected in (("cpu", on_cpu), ("cuda", on_cuda)):
         target = platform_for(device)
         assert (config.uses_compile(target), config.uses_cuda_graphs(target)) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_cache_dtype_auto_is_the_models_dtype(dtype: torch.dtype) -> None:
+    assert CacheConfig(kv_cache_dtype="auto").cache_dtype(dtype) is dtype
+    assert EngineConfig.from_kwargs().cache.cache_dtype(dtype) is dtype  # auto by default
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "bfloat16", "banana", ""])
+def test_other_kv_cache_dtypes_are_refused_naming_the_field(value: str) -> None:
+    with pytest.raises(ValueError, match=f"^kv_cache_dtype: {value!r} is not supported yet; "
+                                         "supported: auto$"):
+        EngineConfig.from_kwargs(kv_cache_dtype=value)

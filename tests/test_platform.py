@@ -185,3 +185,19 @@ def test_configure_process_leaves_gpu_processes_alone(monkeypatch: pytest.Monkey
 
 def test_usable_cpu_cores_is_positive() -> None:
     assert platform.usable_cpu_cores() >= 1
+
+
+def test_cpu_zeros_cost_no_memory_up_front() -> None:
+    """The CPU KV cache's zeros: pages mapped in on first touch, zero until written."""
+    before = _rss_bytes()
+    cache = platform.platform_for("cpu").zeros((2, 1 << 16, 16, 8, 64), torch.bfloat16)  # 2 GiB
+    assert cache.shape == (2, 1 << 16, 16, 8, 64) and cache.dtype == torch.bfloat16
+    assert _rss_bytes() - before < 64 << 20
+    assert cache[1, -1].abs().sum() == 0 and cache[0, 12345].abs().sum() == 0
+    cache[0, 7] = 1.5
+    assert cache[0, 7].sum() == 1.5 * 16 * 8 * 64 and cache[0, 8].sum() == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096

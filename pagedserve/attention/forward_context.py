@@ -40,10 +40,6 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
-def has_forward_context() -> bool:
-    return _current is not None
-
-
 @contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     global _current

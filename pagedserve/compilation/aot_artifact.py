@@ -104,7 +104,10 @@ def loads_graph(data: bytes) -> DynamoGraph:
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ValueError(f"saved forward graph: format is not {FORMAT_VERSION}")
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    graph_module, example_inputs = GraphPickler.loads(state["graph"], fake_mode)
+    loaded = GraphPickler.loads(state["graph"], fake_mode)
+    if not (isinstance(loaded, tuple) and len(loaded) == 2):
+        raise ValueError("saved forward graph: not a (graph module, example inputs) pair")
+    graph_module, example_inputs = loaded
     graph_module.recompile()
     return DynamoGraph(graph_module, example_inputs)
 
@@ -116,8 +119,11 @@ def _extra_reduce(obj: Any) -> tuple | None:
     import sympy
     from torch._subclasses import FakeTensorMode
 
-    if inspect.isclass(obj) and issubclass(obj, sympy.Function) and hasattr(
-        obj, "_torch_unpickler"
+    if (
+        inspect.isclass(obj)
+        and issubclass(obj, sympy.Function)
+        and hasattr(obj, "_torch_unpickler")
+        and hasattr(obj, "_torch_handler_name")
     ):
         return obj._torch_unpickler, (obj._torch_handler_name,)
     if isinstance(obj, FakeTensorMode):

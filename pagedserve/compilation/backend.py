@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -90,7 +90,8 @@ class PiecewiseBackend:
         if self.piece_compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(piece, list(args))
+            # A graph module compiles to a callable (the str / list forms are AOT-Inductor's).
+            return cast(Callable[..., Any], compile_fx(piece, list(args)))
         return piece
 
 
@@ -103,19 +104,28 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.compute = compute
         self.backend = backend
 
-    def run(self, *args: Any) -> Any:
+    def run(
+        self,
+        *args: Any,
+        initial_env: dict[fx.Node, Any] | None = None,
+        enable_io_processing: bool = True,
+    ) -> Any:
         from torch._guards import detect_fake_mode
 
         fake_mode = detect_fake_mode(args)
         if fake_mode is None:
-            return super().run(*args)
+            return super().run(
+                *args, initial_env=initial_env, enable_io_processing=enable_io_processing
+            )
         fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         with fake_mode:
-            return super().run(*fake_args)
+            return super().run(
+                *fake_args, initial_env=initial_env, enable_io_processing=enable_io_processing
+            )
 
-    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
-        output = super().call_module(target, args, kwargs)
-        if target in self.compute:
+    def call_module(self, target: fx.node.Target, args: tuple, kwargs: dict) -> Any:
+        output = super().call_module(target, args, kwargs)  # asserts a str target
+        if isinstance(target, str) and target in self.compute:
             piece = self.fetch_attr(target)
             compiled = self.backend.compile_piece(target, piece, args)
             setattr(self.module, target, _CallableModule(compiled))

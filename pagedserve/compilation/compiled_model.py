@@ -1,7 +1,8 @@
 """The model forward as the runner calls it: compiled pieces, PIECEWISE and FULL graphs.
 
 ``CompiledForward(model, ...)(input_ids, positions)`` returns the hidden states. Which path runs
-is decided by the forward context the runner set (its dispatcher's descriptor):
+is decided by the forward context the runner set (the execution mode its ``CudaGraphManager``
+chose; see docs/architecture.md#cuda-graphs):
 - ``NONE``: the compiled pieces run as they are (or the plain model with ``enforce_eager``);
 - ``PIECEWISE``: each compute piece replays its graph for the padded token count, attention
   runs eagerly in between;
@@ -98,14 +99,16 @@ class CompileStats:
 
 
 class CompiledForward:
-    def __init__(self, model: nn.Module, piece_compiler: str, use_cuda_graphs: bool,
+    def __init__(self, model: nn.Module, piece_compiler: str, graph_pool: GraphPool | None,
                  one_token_forward: Callable[..., Any] | None = None) -> None:
+        """``graph_pool``: where the graph wrappers capture (the runner's graph manager owns
+        it); None: no wrappers, the compiled forward runs as it is."""
         self.model = model
         self.one_token_forward = one_token_forward
         """Runs one-token steps in place of the compiled forward (``model/gemv_decode.py``)."""
         self.piece_compiler = piece_compiler
         self.cache_dir = use_compile_cache_dir() if piece_compiler == "inductor" else None
-        self.graph_pool = GraphPool() if use_cuda_graphs else None
+        self.graph_pool = graph_pool
         self.backend = self._new_backend()
         self.saved = SavedForwards(use_compile_cache_dir()) if aot_enabled(os.environ) else None
         """Where saved forwards live; None: off (``PAGEDSERVE_AOT_COMPILE=0``)."""

@@ -2,17 +2,17 @@
 
 One ``CUDAGraphWrapper`` wraps one runnable: a piece of the split model (mode PIECEWISE) or the
 whole forward (mode FULL). At call time it reads the forward context: when the runner's
-dispatcher chose this wrapper's mode, it replays the graph captured for ``num_tokens``, or
-captures it if a capture phase (``GraphPool.capture_phase``) is running; otherwise (another
-mode, or a size without a graph outside a capture phase) it runs the runnable as it is.
-Inputs are not copied: every input of a captured region lives at a fixed address (the runner's
-persistent buffers, or outputs of the previous captured piece), which ``check_addresses``
-verifies in tests.
+``CudaGraphManager`` chose this wrapper's mode, it replays the graph captured for
+``num_tokens``, or captures it if a capture phase (``GraphPool.capture_phase``) is running;
+otherwise (another mode, or a size without a graph outside a capture phase) it runs the
+runnable as it is. Inputs are not copied: every input of a captured region lives at a fixed
+address (the runner's persistent buffers, or outputs of the previous captured piece), which
+``check_addresses`` verifies in tests. See docs/architecture.md#cuda-graphs.
 
 Captures are cheap by construction: a capture phase runs on one side stream, so each capture
 is ``capture_begin`` / ``capture_end`` on the current stream, without the device-wide
-synchronize and ``empty_cache`` that ``torch.cuda.graph`` does on entry (with ~1,700 piece
-graphs at start-up those dominated the capture time; ``empty_cache`` also handed back the
+synchronize and ``empty_cache`` that ``torch.cuda.graph`` does on entry (with one graph per
+piece and capture size those dominated the capture time; ``empty_cache`` also handed back the
 blocks the next capture would allocate again).
 """
 
@@ -36,31 +36,16 @@ class _Entry:
     input_addresses: list[int]
 
 
-@dataclass
-class GraphMemory:
-    """Device memory (bytes) the pool's graphs hold, as start-up measured it (worker's
-    ``graph_capture``); None where that step did not run."""
-
-    piecewise: int | None = None
-    """Measured around the PIECEWISE capture."""
-    full_estimate: int | None = None
-    """FULL graphs, estimated by the probe before the KV cache is sized."""
-    full_probe_kept: int = 0
-    """What the probe's dropped graphs left in the pool (reused by the real FULL capture)."""
-    full: int | None = None
-    """FULL graphs, measured around the real capture, plus ``full_probe_kept``."""
-
-
 class GraphPool:
     """One memory pool shared by every capture of a model (pieces and full graphs), and the
-    side stream its capture phases run on."""
+    side stream its capture phases run on. The worker's ``CudaGraphManager`` owns it and runs
+    the capture phases."""
 
     def __init__(self) -> None:
         self.handle = torch.cuda.graph_pool_handle()
         self.capture_stream: torch.cuda.Stream | None = None
         """Set while a capture phase runs; wrappers capture only then."""
         self._stream: torch.cuda.Stream | None = None
-        self.memory = GraphMemory()
 
     @contextmanager
     def capture_phase(self, device: torch.device) -> Iterator[torch.cuda.Stream]:

@@ -16,7 +16,7 @@ PHASE_FIELD = "startup_phase"
 SECONDS_FIELD = "startup_seconds"
 FIGURES_FIELD = "startup_figures"
 KV_BUDGET_FIELD = "kv_budget"
-"""Field of the KV budget's log line (worker/kv_cache.py): the MemoryProfile's terms, bytes."""
+"""Field of the KV budget's log line (worker/profile.py): the MemoryProfile's terms, bytes."""
 
 
 def log_phase(logger: logging.Logger, phase: str, seconds: float, detail: str = "",

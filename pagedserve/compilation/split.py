@@ -1,7 +1,8 @@
 """Split a traced model graph at the attention ops.
 
-Attention is the graph boundary (DESIGN.md): every call of a splitting op becomes a piece of its
-own, run eagerly between the pieces before and after it, which are compiled and captured.
+Attention is the graph boundary (docs/architecture.md#cuda-graphs): every call of a splitting
+op becomes a piece of its own, run eagerly between the pieces before and after it, which are
+compiled and captured.
 With 32 layers this gives 33 compute pieces and 32 attention pieces.
 """
 
@@ -46,7 +47,7 @@ def split_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]:
             piece += 1
         else:
             piece_of[node] = piece
-    split_gm = split_module(gm, None, lambda n: piece_of[n], keep_original_order=True)
+    split_gm = split_module(gm, gm, lambda n: piece_of[n], keep_original_order=True)
     splitting = {f"submod_{piece_of[n]}" for n in piece_of if is_splitting_node(n)}
     pieces = [
         Piece(name, name in splitting)
@@ -54,8 +55,3 @@ def split_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]:
         if name.startswith("submod_")
     ]
     return split_gm, pieces
-
-
-def count_splitting_ops(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if is_splitting_node(n))
-

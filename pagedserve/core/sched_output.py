@@ -1,4 +1,5 @@
-"""What crosses the scheduler/runner boundary each step (the seed's SchedulerOutput).
+"""What crosses the scheduler/runner boundary each step: the ``SchedulerOutput``
+(docs/architecture.md#life-of-a-request).
 
 The runner mirrors the scheduler's decisions in persistent request slots, so the plan carries
 only what changed: new requests in full, running requests as deltas.

@@ -33,7 +33,29 @@ from pagedserve.core.sched_output import (
 )
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.core.step_plan import StepPlan
-from pagedserve.core.stop_check import check_stop
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Whether ``request`` is done after its last appended token; if so, set its finished
+    status (and ``stop_reason`` for a stop token). Length caps come first; EOS and stop
+    tokens count only once ``min_tokens`` tokens were generated (the stopping token
+    included). Stop strings are the detokenizer's: it finishes the request through
+    ``Scheduler.finish_requests``."""
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    params = request.sampling_params
+    if request.num_output_tokens < params.min_tokens:
+        return False
+    last_token_id = request.output_token_ids[-1]
+    if not params.ignore_eos and last_token_id == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last_token_id in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last_token_id
+        return True
+    return False
 
 
 class Scheduler:
@@ -317,10 +339,6 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def has_finished_requests(self) -> bool:
-        """Finished requests not yet reported to the runner (it must free their slots)."""
-        return bool(self.finished_req_ids)
-
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -351,7 +369,8 @@ def _check_limits(
         raise ValueError(
             f"num_blocks: {num_blocks} blocks of {block_size} tokens (one is the null block) "
             f"cannot hold one request of max_model_len={max_model_len} tokens; need {needed} "
-            "(lower max_model_len or give the KV cache more memory)"
+            "(lower max_model_len, or give the KV cache more memory: kv_cache_memory on the "
+            "CPU, gpu_memory_utilization on a GPU)"
         )
     budget = scheduler_config.max_num_batched_tokens
     if not scheduler_config.enable_chunked_prefill and budget < max_model_len:

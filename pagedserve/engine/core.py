@@ -1,9 +1,10 @@
 """EngineCore: the step loop that joins the scheduler and the model runner.
 
-One ``step()`` is the seed tour's engine step: ``Scheduler.schedule()`` plans which tokens run,
-``ModelRunner.execute_model`` runs them, ``sample_tokens`` samples the next token of every
-request whose prompt is complete, and ``Scheduler.update_from_output`` appends the tokens,
-applies stop conditions and frees the blocks of finished requests. The runner calls go through
+One ``step()`` is one engine step (docs/architecture.md#one-engine-step):
+``Scheduler.schedule()`` plans which tokens run, ``ModelRunner.execute_model`` runs them,
+``sample_tokens`` samples the next token of every request whose prompt is complete, and
+``Scheduler.update_from_output`` appends the tokens, applies stop conditions and frees the
+blocks of finished requests. The runner calls go through
 an ``Executor`` (``distributed/``): the runner in this process (TP=1), or one per
 tensor-parallel rank in worker processes or Ray actors.
 
@@ -28,7 +29,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.gc_heap import freeze_startup_heap
 from pagedserve.model.loader import get_max_model_len
-from pagedserve.model.resolve import ResolvedModel, resolve_model
+from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import platform_for, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedM
     It reads the model's config (seconds for a GGUF file), so ``EngineCore`` does not call it:
     the model runner reads that config once while loading.
     """
-    resolved = resolve_model(config.model.model, config.model.load_format)
+    resolved = resolve_model_config(config.model)
     config = resolve_device_and_dtype(config)
     max_model_len = get_max_model_len(config.model, resolved.hf_config)
     model = dataclasses.replace(config.model, max_model_len=max_model_len)

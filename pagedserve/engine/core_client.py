@@ -105,8 +105,10 @@ class EngineCoreClient:
     async def _recv(self) -> tuple[bytes, Any]:
         if self._dead.done():
             raise EngineDeadError(self._dead.result())
-        recv = self._output.recv_multipart()
-        done, _ = await asyncio.wait({recv, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        # zmq.asyncio returns a Future, typed as a plain Awaitable: ensure_future returns it.
+        recv = asyncio.ensure_future(self._output.recv_multipart())
+        pending: set[asyncio.Future[Any]] = {recv, self._dead}
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if recv not in done:
             recv.cancel()
             raise EngineDeadError(self._dead.result())
@@ -133,8 +135,11 @@ class EngineCoreClient:
         wait for one forever."""
         if self._dead.done():
             raise EngineDeadError(self._dead.result())
-        send = self._input.send_multipart((kind, encode(payload)), copy=False)
-        done, _ = await asyncio.wait({send, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        send = asyncio.ensure_future(
+            self._input.send_multipart((kind, encode(payload)), copy=False)
+        )
+        pending: set[asyncio.Future[Any]] = {send, self._dead}
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if send not in done:
             send.cancel()
             raise EngineDeadError(self._dead.result())
@@ -164,7 +169,7 @@ class EngineCoreClient:
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5.0)
-        if self.proc.is_alive():
+        if self.proc.is_alive() and self.proc.pid is not None:  # alive: it has a pid
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.join(5.0)
         self._input.close(linger=0)

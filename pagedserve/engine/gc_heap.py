@@ -3,12 +3,12 @@
 Importing torch, transformers and the compile stack, loading the model, compiling it and
 capturing its graphs create about a million objects that live as long as the process and almost
 no cyclic garbage. Left in the collector's generations, they are walked again by every full
-(generation-2) collection: 0.3-0.6 ms per thousand objects (measured on this project's CI
-CPU and on an H200's host: 439 ms for 750k objects), so one collection that lands in the middle
-of serving stalls a step for hundreds of milliseconds while the GPU waits. A burst of requests
-triggers such collections (their objects survive the young generations and the collector's
-long-lived threshold trips). ``gc.freeze()`` moves everything alive at that moment into a
-permanent generation that no collection visits; vLLM's engine core does the same after start-up.
+(generation-2) collection, in time proportional to their number, so one collection that lands
+in the middle of serving stalls a step while the GPU waits (docs/gpu.md#host-side-stalls). A
+burst of requests triggers such collections (their objects survive the young generations and
+the collector's long-lived threshold trips). ``gc.freeze()`` moves everything alive at that
+moment into a permanent generation that no collection visits; vLLM's engine core does the same
+after start-up.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def freeze_startup_heap(owner: object) -> None:
 
     The collection first, so that no start-up garbage (compile-time graphs, warm-up tensors in
     reference cycles: host memory, and card memory where a cycle holds a tensor) is frozen for
-    the life of the process; it walks the heap once, ~0.2 s per 500k objects. A frozen object is
+    the life of the process; it walks the heap once. A frozen object is
     still freed when its last reference goes, but a frozen reference cycle never is: when the
     engine is dropped (a notebook or a test building a new one), everything is unfrozen, so
     that the next collection can free whatever cycles the old engine left, card memory
@@ -41,8 +41,8 @@ def freeze_startup_heap(owner: object) -> None:
 def startup_gc_paused() -> Iterator[None]:
     """Run a start-up with the cyclic collector paused, then freeze what it built.
 
-    Each collection triggered during start-up would walk the whole growing heap again (~1 s of
-    CPU of a ~8 s start-up on one core), for the ~10k objects of cyclic garbage it finds; the
+    Each collection triggered during start-up would walk the whole growing heap again, for the
+    few thousand objects of cyclic garbage it finds (docs/cpu.md#start-up-on-the-host); the
     few start-up cycles the freeze keeps are the price. Nests: an inner pause leaves the
     collector as the outer one wants it (off) until the outer one ends.
     """

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.core.request import Request
 from pagedserve.field_types import token_id_list
@@ -22,6 +22,19 @@ from pagedserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+
+def _is_conversation(messages: ChatMessages | Sequence[ChatMessages]) -> TypeIs[ChatMessages]:
+    return isinstance(messages[0], dict)
+
+
+def as_conversations(messages: ChatMessages | Sequence[ChatMessages]) -> Sequence[ChatMessages]:
+    """Non-empty chat input as a list of conversations: ``messages`` is one conversation (its
+    items are message dicts) or already a list of them."""
+    return [messages] if _is_conversation(messages) else messages
 
 
 @dataclass
@@ -208,6 +221,8 @@ class InputProcessor:
             raise ValueError("prompt: the prompt is empty (it has no tokens)")
         self._check_token_ids("prompt_token_ids", prompt_token_ids)
         resolved = self.resolve_params(params, len(prompt_token_ids))
+        max_tokens = resolved.max_tokens
+        assert max_tokens is not None  # resolve_params fills it
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         requests = [
             Request(
@@ -215,7 +230,7 @@ class InputProcessor:
                 prompt_token_ids,
                 self._child_params(resolved, i),
                 self.eos_token_id,
-                resolved.max_tokens,
+                max_tokens,
                 arrival_time=arrival_time,
                 priority=priority,
             )

@@ -237,15 +237,6 @@ class OutputProcessor:
                 del self.request_states[request_id]
         return result
 
-    def child_request_ids(self, request_id: str) -> list[str]:
-        """The unfinished children of a request. To report an abort to the caller, abort these
-        in the core and feed the outputs it returns (finish_reason ``abort``) to
-        ``process_outputs``."""
-        state = self.request_states.get(request_id)
-        if state is None:
-            return []
-        return [c.req_id for c in state.completions if c.req_id in self._children]
-
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Forget requests (parent ids) without reporting them (e.g. the client went away);
         returns the child ids to abort in the engine core."""

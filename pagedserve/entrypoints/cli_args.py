@@ -23,7 +23,7 @@ import typing
 from typing import Any, Literal
 
 from pagedserve.config import EngineConfig
-from pagedserve.field_types import without_none
+from pagedserve.field_types import ByteSize, byte_size, without_none
 from pagedserve.sampling_params import SamplingParams
 
 SAMPLING_OPTIONS = (
@@ -72,6 +72,13 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
+def _byte_size_option(text: str) -> int:
+    try:
+        return byte_size("value", text)
+    except ValueError as e:  # argparse prints the option's name beside this
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from e
+
+
 def _option_kwargs(tp: Any, default: Any, doc: str) -> dict[str, Any]:
     """argparse keyword arguments for a field of type ``tp``."""
     base = without_none(tp)
@@ -86,6 +93,8 @@ def _option_kwargs(tp: Any, default: Any, doc: str) -> dict[str, Any]:
     elif origin in (list, tuple):
         kwargs["nargs"] = "+"
         kwargs["type"] = typing.get_args(base)[0]
+    elif base is ByteSize:
+        kwargs["type"] = _byte_size_option
     elif base in (int, float, str):
         kwargs["type"] = base
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -31,9 +31,11 @@ from pagedserve.engine.input_processor import (
     InputProcessor,
     ProcessedRequest,
     PromptType,
+    as_conversations,
 )
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.model.resolve import locate
+from pagedserve.model.generation_config import default_sampling_values
+from pagedserve.model.resolve import model_folder
 from pagedserve.model.tokenizer import get_tokenizer
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
@@ -86,9 +88,12 @@ class LLM:
         self.config = self.engine_core.config
         # skip_tokenizer_init (vLLM's name): token-id prompts only, outputs without text.
         self.tokenizer = None if skip_tokenizer_init else get_tokenizer(self.config.model)
+        folder = model_folder(self.config.model)
+        self.default_sampling_values = default_sampling_values(
+            self.config.model.generation_config, folder)
         self.input_processor = InputProcessor.for_model(
             self.tokenizer,
-            locate(self.config.model.model)[0],
+            folder,
             self.engine_core.max_model_len,
             self.engine_core.vocab_size,
         )
@@ -97,6 +102,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no ``sampling_params``: the engine's
+        defaults, with the model's ``generation_config.json`` values over them
+        (``generation_config="auto"``, the default; ``"vllm"`` ignores the file)."""
+        return SamplingParams(**self.default_sampling_values)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -113,7 +124,8 @@ class LLM:
         Every prompt is validated before any runs (``ValueError`` naming the field).
         """
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params, len(prompt_list),
+                                      self.get_default_sampling_params)
         processed = [
             self.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
             for p, sp in zip(prompt_list, params_list, strict=True)
@@ -134,7 +146,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = as_conversations(messages)
         prompts = [
             self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c,
                                              add_generation_prompt)
@@ -148,7 +160,7 @@ class LLM:
         """Generate for one prompt, yielding a DELTA ``RequestOutput`` (the new text and
         tokens) after every step that produced some. Closing the iterator early aborts the
         request."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         processed = self.input_processor.process_inputs(
             str(next(self._request_counter)), prompt, params
         )
@@ -159,6 +171,25 @@ class LLM:
         finally:
             child_ids = self.output_processor.abort_requests([processed.request_id])
             self.engine_core.abort_requests(child_ids)
+
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one prompt without running it and return its request id; ``step`` runs it.
+        For callers that drive the engine step by step (profilers, step timers)."""
+        processed = self.input_processor.process_inputs(
+            str(next(self._request_counter)), prompt, sampling_params or SamplingParams()
+        )
+        self._add(processed, RequestOutputKind.FINAL_ONLY)
+        return processed.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step over the queued requests; returns the outputs of the requests
+        that finished in it. ``RuntimeError`` when nothing is queued."""
+        if not self.has_unfinished_requests():
+            raise RuntimeError("step: no requests are queued (add_request first)")
+        return self._step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
 
     # -- the engine loop -----------------------------------------------------------------------
 
@@ -214,10 +245,11 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 def _as_params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int,
+    defaults: Callable[[], SamplingParams],
 ) -> list[SamplingParams]:
     if sampling_params is None:
-        return [SamplingParams()] * num_prompts
+        return [defaults()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if not isinstance(sampling_params, (list, tuple)):

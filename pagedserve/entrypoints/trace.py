@@ -1,11 +1,11 @@
-"""``pagedserve trace``: run the engine and show one step stop by stop, as the seed tour does.
+"""``pagedserve trace``: run the engine and show one step stop by stop (docs/trace.md).
 
     pagedserve trace --scenario seed [--json]
     pagedserve trace --prompt "The capital of France is" "Hello" --step 3 [--json]
 
 The engine runs real steps (scheduler + model runner); the chosen step is recorded through
-the runner's trace hook (``worker/tracer.py``), from its own buffers, and printed as one block
-per stop (text) or as one JSON object (``--json``, with complete lists).
+an observer of the runner's step phases (``worker/tracer.py``), from its own buffers, and
+printed as one block per stop (text) or as one JSON object (``--json``, with complete lists).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
                       help="one or more prompts; all enter the engine before step 1")
     what.add_argument("--scenario", choices=SCENARIOS,
-                      help="seed: the seed tour's step (R1, R2 decoding at 540 and 129 computed "
+                      help="seed: a fixed example step (R1, R2 decoding at 540 and 129 computed "
                            "tokens, R3 arriving with 298; block size 16, 1024 request slots, "
                            "capture sizes up to 512); it fixes those engine options")
     parser.add_argument("--step", type=int, default=None,

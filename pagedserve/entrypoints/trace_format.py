@@ -1,5 +1,5 @@
-"""The trace as text: one block per stop, "what the data looks like now", as the seed tour
-prints it. Long lists are abridged (head ... tail); ``--json`` carries them whole."""
+"""The trace as text: one block per stop, "what the data looks like now" (docs/trace.md).
+Long lists are abridged (head ... tail); ``--json`` carries them whole."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Drive the engine to one step and record that step through the runner's trace hook.
+"""Drive the engine to one step and record that step through the runner's step observer.
 
 A scenario is a list of arrivals: which request enters the engine before which step. The
 engine core then runs real steps (its scheduler plans them, its runner executes them); only the
-chosen step runs with a ``RecordingTracer``, the others with the runner's default tracer.
+chosen step runs traced (``worker/tracer.py``), the others untraced.
 
-The seed scenario is the step of the seed tour (``one-forward-pass.txt``): R1 (540-token
+The ``seed`` scenario is a fixed example step, the one docs/trace.md reads: R1 (540-token
 prompt) and R2 (129) arrive first and are prefilled in step 1, so in step 2 they decode with
 540 and 129 computed tokens while R3 arrives with a 298-token prompt.
 """
@@ -22,7 +22,7 @@ from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.tracer import RecordingTracer
+from pagedserve.worker.tracer import RecordingTracer, tracing
 
 
 @dataclass(frozen=True)
@@ -35,36 +35,36 @@ class Arrival:
 
 SEED_STEP = 2
 SEED_PROMPT_LENS = (("R1", 540, 1), ("R2", 129, 1), ("R3", 298, 2))
-"""(req_id, prompt tokens, arrival step) of the seed's requests."""
+"""(req_id, prompt tokens, arrival step) of the scenario's requests."""
 SEED_ENGINE_ARGS: dict[str, Any] = {
     "block_size": 16,
     "max_num_seqs": 1024,  # request slots; handed out from the top, so R1 gets slot 1023
     "max_capture_size": 512,  # the H200's capture sizes: up to 512, steps of 16 above 256
     "cudagraph_capture_sizes": None,
-    # The tour pads mixed batches on the dense ladder too (its step 2: 300 tokens -> 304).
+    # Mixed batches pad on the dense ladder too (step 2: 300 tokens -> 304).
     "piecewise_cudagraph_capture_sizes": tuple(default_capture_sizes(512)),
 }
-"""Engine options the seed scenario fixes (they override the command line)."""
+"""Engine options the ``seed`` scenario fixes (they override the command line)."""
 SEED_MIN_BATCHED_TOKENS = 540 + 129
 """Step 1 prefills R1 and R2 whole, so the token budget must hold both prompts."""
 
 
 def seed_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The engine options of the seed scenario: ``kwargs`` with ``SEED_ENGINE_ARGS`` applied."""
+    """The engine options of the ``seed`` scenario: ``kwargs`` with ``SEED_ENGINE_ARGS`` applied."""
     budget = kwargs.get("max_num_batched_tokens")
     if budget is not None and budget < SEED_MIN_BATCHED_TOKENS:
-        raise ValueError(f"max_num_batched_tokens: the seed scenario prefills "
+        raise ValueError(f"max_num_batched_tokens: --scenario seed prefills "
                          f"{SEED_MIN_BATCHED_TOKENS} tokens in step 1, got {budget}")
     return {**kwargs, **SEED_ENGINE_ARGS}
 
 
 def seed_sampling_params(params: SamplingParams) -> SamplingParams:
-    """The seed's requests keep running: no EOS stop, no length cap below the context."""
+    """The scenario's requests keep running: no EOS stop, no length cap below the context."""
     return dataclasses.replace(params, ignore_eos=True, max_tokens=None, min_tokens=0)
 
 
 def seed_arrivals(vocab_size: int, seed: int) -> list[Arrival]:
-    """R1, R2 before step 1 and R3 before step 2, with random prompts of the seed's lengths."""
+    """R1, R2 before step 1 and R3 before step 2, with random prompts of the scenario's lengths."""
     rng = np.random.default_rng(seed)
     return [Arrival(step, req_id, rng.integers(0, vocab_size, n).tolist())
             for req_id, n, step in SEED_PROMPT_LENS]
@@ -100,11 +100,9 @@ def run_to_step(llm: LLM, arrivals: list[Arrival], params: SamplingParams,
         if not core.has_unfinished_requests():
             raise ValueError(f"step: every request finished after step {n - 1}, so step {step} "
                              "never runs (raise --max-tokens, or pass --ignore-eos)")
-        previous = runner.tracer
         if n == step:
-            runner.tracer = tracer
-        try:
+            with tracing(runner, tracer):
+                outputs = core.step()
+        else:
             outputs = core.step()
-        finally:
-            runner.tracer = previous
     return TracedStep(step, tracer.stops, outputs)

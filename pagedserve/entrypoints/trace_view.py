@@ -49,7 +49,7 @@ def _require(stops: Stops, stop: str) -> dict[str, Any]:
     return stops[stop]
 
 
-# ---- stop 1: the plan applied to the slots -------------------------------------------------
+# ---- plan: the plan applied to the slots ----------------------------------------------------
 
 
 def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def plan_view(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# ---- stop 2: batch order and graph descriptor ---------------------------------------------
+# ---- batch: batch order and graph descriptor ----------------------------------------------
 
 
 def batch_view(batch: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def batch_view(batch: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# ---- stop 3: the input buffers -------------------------------------------------------------
+# ---- inputs: the input buffers --------------------------------------------------------------
 
 
 def num_real_tokens(inputs: dict[str, Any], num_reqs: int) -> int:
@@ -115,7 +115,7 @@ def inputs_view(inputs: dict[str, Any], num_reqs: int) -> dict[str, Any]:
     }
 
 
-# ---- stop 4: block tables and slot mapping -------------------------------------------------
+# ---- attn: block tables and slot mapping ---------------------------------------------------
 
 
 def _block_index(row: np.ndarray, block_id: int) -> int | None:
@@ -168,7 +168,7 @@ def attn_view(attn: dict[str, Any], inputs: dict[str, Any], plan: dict[str, Any]
     }
 
 
-# ---- stops 5-14 ------------------------------------------------------------------------------
+# ---- metadata, forward, logits, sample------------------------------------------------------------
 
 
 def metadata_view(stop: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,8 @@ a sort).
 
 Integer arguments that change from step to step (``num_reqs``, padded token counts) are marked
 ``do_not_specialize``: Triton otherwise compiles a new variant of the kernel the first time such
-a value is 1 or a multiple of 16, in the middle of serving (measured on the H200: a 1.03 s
-compile of the attention kernel stalled the first step of a 256-request run)."""
+a value is 1 or a multiple of 16, in the middle of serving, where the compile stalls a step
+(docs/gpu.md#host-side-stalls)."""
 
 from pagedserve.kernels import interpreter_compat
 

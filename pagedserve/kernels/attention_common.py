@@ -134,8 +134,8 @@ def attend_kv_range(
     without masks; the rest (the causal diagonal and the ragged end) are masked. Each key
     position is looked up in the block table on its own, so TILE_N and the cache's block size
     are independent. The first tile holds a key every row sees, so m_i is finite after it.
-    (Loading the next tile's block ids a tile ahead was measured and removed: BENCHMARKS.md,
-    sessions 7 and 9.)
+    Block ids are loaded with their tile, not a tile ahead: prefetching them did not pay
+    (docs/gpu.md#attention-launches).
     """
     kc_head_ptr = key_cache_ptr + kv_head * stride_kc_head
     vc_head_ptr = value_cache_ptr + kv_head * stride_vc_head

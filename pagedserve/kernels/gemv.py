@@ -190,7 +190,7 @@ DEFAULT_CONFIGS = {
     int(EPILOGUE_ROPE_KV): GemvConfig(block_n=8, block_k=512, num_warps=4),
 }
 """Fastest tiles of ``python benchmarks/gemv_sweep.py`` on an H200, Llama-3-8B shapes (o_proj and
-down_proj, gate/up, QKV): 8.7, 27.9, 55.7 and 14.1 us, 0.90-0.99 of the copy bandwidth."""
+down_proj, gate/up, QKV); docs/gpu.md#one-token-steps-gemv has the figures."""
 
 
 @functools.cache

@@ -1,4 +1,6 @@
-"""Triton kernels that build one step's inputs on the device (stops 3 and 4 of the forward pass).
+"""Triton kernels that build one step's inputs on the device.
+
+docs/architecture.md#step-3-prepare-inputs and #step-4-block-tables-and-slot-mapping.
 
 Twins of the torch reference functions in ``pagedserve/worker/input_prep.py``, with the same
 signatures. Every function writes into preallocated buffers and launches with grid sizes taken

@@ -25,6 +25,8 @@ import triton.runtime.interpreter as interpreter
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 """Kernels run under the CPU interpreter (read once, as triton does)."""
+_FIXED = "_pagedserve_fixed"
+"""Marks an interpreter function already replaced, so that ``apply`` is idempotent."""
 
 
 def _numpy_rejects_1d_scalars() -> bool:
@@ -43,7 +45,7 @@ def apply() -> None:
 def _round_bf16_casts_to_nearest() -> None:
     builder = interpreter.InterpreterBuilder
     original = builder.cast_impl
-    if getattr(original, "_pagedserve_fixed", False):
+    if getattr(original, _FIXED, False):
         return
 
     def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202
@@ -52,19 +54,19 @@ def _round_bf16_casts_to_nearest() -> None:
             return interpreter.TensorHandle(rounded.view(torch.uint16).numpy(), dst_type.scalar)
         return original(self, src, dst_type)
 
-    cast_impl._pagedserve_fixed = True
+    setattr(cast_impl, _FIXED, True)
     builder.cast_impl = cast_impl
 
 
 def _squeeze_index_scalars() -> None:
     """Wrap the interpreter's tensor patching so ``__index__`` squeezes one-element arrays."""
     original = interpreter._patch_lang_tensor
-    if getattr(original, "_pagedserve_fixed", False) or not _numpy_rejects_1d_scalars():
+    if getattr(original, _FIXED, False) or not _numpy_rejects_1d_scalars():
         return
 
     def patch_lang_tensor(tensor, scope) -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    patch_lang_tensor._pagedserve_fixed = True
+    setattr(patch_lang_tensor, _FIXED, True)
     interpreter._patch_lang_tensor = patch_lang_tensor

@@ -12,8 +12,8 @@ One program per (request, kv head, segment) item, numbered segment fastest; it f
 request by division, where the varlen kernel searches ``query_start_loc``.
 
 ``num_splits`` is a runtime argument, not a constexpr: every split count shares one compiled
-variant of each kernel (a constexpr count compiled a new variant per count, ~0.5-1 s each on
-the H200, in the middle of FULL-graph capture). The reduce kernel loads a fixed
+variant of each kernel (a constexpr count compiled a new variant per count, in the middle of
+FULL-graph capture). The reduce kernel loads a fixed
 ``MAX_NUM_SPLITS``-wide tile of segments and masks the ones past ``num_splits``.
 """
 

@@ -3,8 +3,7 @@
 Between two linear layers a decoder layer adds the sublayer output to the residual stream and
 normalizes the sum. Inductor emits that as three kernels (the sum of squares, the normalized
 product, and the new residual written again), each reading the rows from memory; this kernel
-reads ``x`` and ``residual`` once and writes both results: 4 row passes instead of ~8. Measured
-on the H200 at 8,192 prefill tokens (Llama-3-8B): BENCHMARKS.md, session 5.
+reads ``x`` and ``residual`` once and writes both results: 4 row passes instead of ~8.
 
 Same arithmetic as ``RMSNorm`` (layers/layernorm.py): the sum in fp32, the new residual is the
 sum rounded to the model dtype, the norm is taken of the unrounded fp32 sum, rounded, then

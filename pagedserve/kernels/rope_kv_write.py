@@ -7,9 +7,9 @@ paged cache through the slot mapping (PAD_SLOT_ID rows write no cache entry).
 
 Neox-style rotation as ``layers/rotary.py``, with the same rounding steps as that torch code
 run eagerly in the model dtype: each product rounded, then each sum. Under the interpreter the
-results are bit-equal to it; compiled for a GPU, about a sixth of them differ by one rounding
-step, in fp32 too, where there is no intermediate rounding to copy (most likely multiply-adds
-contracted by the compiler; measured on the H200, session 11).
+results are bit-equal to it; compiled for a GPU, some differ by one rounding step, in fp32
+too, where there is no intermediate rounding to copy (most likely multiply-adds contracted by
+the compiler; docs/gpu.md, "Fused kernels").
 """
 
 from __future__ import annotations

@@ -41,13 +41,13 @@ class Cuts(NamedTuple):
     """Per row, the kept tokens after min-p, top-k and top-p, in two numbers.
 
     Token v (temperature-scaled logit x_v) is kept iff x_v > value, or x_v == value and
-    v >= index. ``index`` is 0 except where top-p keeps only part of a group of tied logits:
+    v >= tie_index. ``tie_index`` is 0 except where top-p keeps only part of a group of tied logits:
     then, as in the reference's stable ascending sort, the lowest vocabulary indices go first.
     Rows that truncate nothing (and greedy rows) have value -inf and index 0.
     """
 
     value: torch.Tensor  # fp32 [num_rows]
-    index: torch.Tensor  # int32 [num_rows]
+    tie_index: torch.Tensor  # int32 [num_rows]
 
 
 def kept_mask(scaled_logits: torch.Tensor, cuts: Cuts) -> torch.Tensor:
@@ -57,7 +57,7 @@ def kept_mask(scaled_logits: torch.Tensor, cuts: Cuts) -> torch.Tensor:
     """
     value = cuts.value.unsqueeze(1)  # [num_rows, 1]
     vocab = torch.arange(scaled_logits.shape[1], device=scaled_logits.device)
-    at_cut = (scaled_logits == value) & (vocab.unsqueeze(0) >= cuts.index.unsqueeze(1))
+    at_cut = (scaled_logits == value) & (vocab.unsqueeze(0) >= cuts.tie_index.unsqueeze(1))
     return ((scaled_logits > value) | at_cut) & (scaled_logits > float("-inf"))
 
 

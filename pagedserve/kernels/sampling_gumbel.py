@@ -171,7 +171,7 @@ def gumbel_sample(
         logits, logits.stride(0), idx_mapping,
         params.temperature, params.greedy, params.seeds, params.counters,
         cuts.value if cuts is not None else best_score,
-        cuts.index if cuts is not None else best_score,
+        cuts.tie_index if cuts is not None else best_score,
         best_score, best_index, vocab_size, split_size,
         HAS_CUTS=cuts is not None,
         BLOCK=_BLOCK,

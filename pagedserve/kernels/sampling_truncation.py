@@ -117,7 +117,7 @@ def truncation_cuts(
     num_rows, vocab_size = logits.shape
     cuts = Cuts(
         value=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
-        index=torch.empty(num_rows, dtype=torch.int32, device=logits.device),
+        tie_index=torch.empty(num_rows, dtype=torch.int32, device=logits.device),
     )
     if num_rows == 0:
         return cuts
@@ -125,7 +125,7 @@ def truncation_cuts(
     _truncation_kernel[(num_rows,)](
         logits, logits.stride(0), idx_mapping,
         params.temperature, params.greedy, params.top_k, params.top_p, params.min_p,
-        scratch, cuts.value, cuts.index, vocab_size,
+        scratch, cuts.value, cuts.tie_index, vocab_size,
         BLOCK=_BLOCK, NUM_PIVOTS=_NUM_PIVOTS, BUF_CAP=buffer_size,
         num_warps=8,
     )

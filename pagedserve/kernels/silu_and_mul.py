@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Columns per program: 2,048 x 8 warps was within 5% of the fastest of 1,024-4,096 x 4-8 warps
-# on the H200 at 64, 256 and 8,192 rows of Llama-3-8B's 14,336 (benchmarks/fusion_probe.py).
+# Columns per program and warps: the best of 1,024-4,096 columns x 4-8 warps on the H200 at
+# 64, 256 and 8,192 rows of Llama-3-8B's 14,336 (docs/performance.md#fusions).
 BLOCK = 2048
 NUM_WARPS = 8
 

@@ -21,6 +21,9 @@ from torch import nn
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 ShardId = str | int | None
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+# The attribute of a parameter that holds its loader (nn.Parameter declares no such field).
+_WEIGHT_LOADER_ATTR = "weight_loader"
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -42,12 +45,21 @@ def copy_shard(
 
 
 def new_parameter(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, weight_loader: Callable
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_loader: Callable[..., None],
 ) -> nn.Parameter:
     """An uninitialized inference parameter; the loader fills it."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-    param.weight_loader = weight_loader
+    setattr(param, _WEIGHT_LOADER_ATTR, weight_loader)
     return param
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    """The ``weight_loader`` that ``new_parameter`` attached to ``param``."""
+    loader: WeightLoader = getattr(param, _WEIGHT_LOADER_ATTR)
+    return loader
 
 
 def _check_unfused(shard_id: ShardId, layer: str) -> None:
@@ -222,5 +234,6 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.tp_rank == 0 else None
         out = F.linear(x, self.weight, bias)
         if self.tp_size > 1:
+            assert self.all_reduce is not None  # __init__ requires one when tp_size > 1
             out = self.all_reduce(out)
         return out

@@ -29,5 +29,6 @@ class LogitsProcessor(nn.Module):
         """hidden_states [N, hidden] -> logits [N, vocab_size] in the model dtype."""
         logits = F.linear(hidden_states, lm_head.weight)  # [N, vocab rows of this rank]
         if self.tp_size > 1:
+            assert self.all_gather is not None  # __init__ requires one when tp_size > 1
             logits = self.all_gather(logits)  # [N, padded vocab]
         return logits[:, : self.vocab_size]

@@ -67,6 +67,7 @@ class VocabParallelEmbedding(nn.Module):
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # bool [T]
         local_ids = (input_ids - self.vocab_start) * owned
         embedded = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1)
+        assert self.all_reduce is not None  # __init__ requires one when tp_size > 1
         return self.all_reduce(embedded)
 
 

@@ -16,7 +16,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ShardId
+from pagedserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ShardId,
+    weight_loader_of,
+)
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding
 
 DUMMY_STD = 0.02
@@ -65,4 +70,4 @@ def load_dummy_weights(
         param = params[name]
         module = modules[name.rsplit(".", 1)[0]]
         for shard_id, piece in _checkpoint_pieces(module, full):
-            param.weight_loader(param, piece, shard_id)
+            weight_loader_of(param)(param, piece, shard_id)

@@ -1,13 +1,16 @@
 """The forward of a one-token step (a decode at batch 1) on the fused GEMV kernels.
 
 A decode step of one token reads every weight once and does almost nothing else, so its time
-is the weight read plus the launches around it. The compiled forward spends ~19 kernels per
-Llama layer (measured on an H200: 4.90-5.05 ms a step against a 3.56 ms floor); this one
-spends six: ``kernels/gemv.py``'s RMSNorm + QKV + rotary + KV write, the attention backend's
-decode (split-KV and its reduce: two), o_proj + residual, RMSNorm + gate/up + SiLU-and-mul,
-and down_proj + residual. The same weights, cache and attention metadata as the compiled
-forward; the runner's FULL graph of size 1 captures this forward instead of the compiled one
-(``CompiledForward``).
+is the weight read plus the launches around it. The compiled forward spends about 19 kernels
+per Llama layer; this one spends six: ``kernels/gemv.py``'s RMSNorm + QKV + rotary + KV write,
+the attention backend's decode (split-KV and its reduce: two), o_proj + residual, RMSNorm +
+gate/up + SiLU-and-mul, and down_proj + residual. The same weights, cache and attention
+metadata as the compiled forward; the runner's FULL graph of size 1 captures this forward
+instead of the compiled one (``CompiledForward``).
+
+It re-implements one decoder layer, so it serves only the layer types it was written for: a
+model declares them (``one_token_layers`` in ``model/llama.py``), and a layer of another class
+(an MLP or attention subclass) leaves the model on the compiled forward.
 
 Residual stream: the compiled forward carries (sublayer output, residual) and adds them in the
 next norm; here the residual add happens in the epilogue of o_proj and down_proj, so ``h``
@@ -16,26 +19,61 @@ below is always the full residual stream.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.kernels import gemv
-from pagedserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.model.llama import (
+    LayerTypes,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    head_dim_of,
+)
+
+logger = logging.getLogger(__name__)
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why ``model`` cannot run on these kernels (None: it can)."""
-    if not isinstance(model, LlamaForCausalLM):
-        return f"{type(model).__name__} is not a Llama-family model"
+def _foreign_layer(layer: nn.Module, types: LayerTypes) -> str | None:
+    """The first part of ``layer`` whose class is not exactly the one in ``types``."""
+    parts = (("decoder layer", layer, types.decoder_layer),
+             ("attention", getattr(layer, "self_attn", None), types.attention),
+             ("MLP", getattr(layer, "mlp", None), types.mlp),
+             ("input_layernorm", getattr(layer, "input_layernorm", None), types.norm),
+             ("post_attention_layernorm", getattr(layer, "post_attention_layernorm", None),
+              types.norm))
+    for what, module, expected in parts:
+        if type(module) is not expected:
+            return (f"{what} {type(module).__name__} is not {expected.__name__}, the type the "
+                    "fused kernels were written for")
+    return None
+
+
+def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None:
+    """Why ``model`` cannot run on these kernels with the layer types it declares (None: it
+    can)."""
     if model.tp.size != 1:
         return "tensor parallelism (o_proj and down_proj need an all-reduce before the residual)"
-    attn = model.model.layers[0].self_attn
-    if type(attn).normalize_qk is not LlamaAttention.normalize_qk:
-        return f"{type(attn).__name__} normalizes q/k per head before rotary embedding"
-    if attn.head_dim // 2 % gemv.DEFAULT_CONFIGS[int(gemv.EPILOGUE_ROPE_KV)].block_n:
-        return f"head_dim {attn.head_dim}: half of it must be a multiple of the tile"
+    for layer in model.model.layers:
+        reason = _foreign_layer(layer, types)
+        if reason is not None:
+            return reason
+    head_dim = head_dim_of(model.config)
+    if head_dim // 2 % gemv.DEFAULT_CONFIGS[int(gemv.EPILOGUE_ROPE_KV)].block_n:
+        return f"head_dim {head_dim}: half of it must be a multiple of the tile"
     return None
+
+
+def gemv_decode_forward(model: LlamaForCausalLM, types: LayerTypes) -> GemvDecodeForward | None:
+    """The one-token forward of ``model`` on these kernels; None (logged with the reason) where
+    the model does not fit them, so the compiled forward serves its one-token steps."""
+    reason = unsupported_reason(model, types)
+    if reason is not None:
+        logger.info("one-token steps run the compiled forward: %s", reason)
+        return None
+    return GemvDecodeForward(model, types)
 
 
 class GemvDecodeForward:
@@ -44,8 +82,8 @@ class GemvDecodeForward:
     Reads the step's slot mapping and attention metadata from the forward context, as the
     attention layers of the compiled forward do."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        reason = unsupported_reason(model)
+    def __init__(self, model: LlamaForCausalLM, types: LayerTypes) -> None:
+        reason = unsupported_reason(model, types)
         if reason is not None:
             raise ValueError(f"GemvDecodeForward: {reason}")
         self.model = model.model

@@ -115,7 +115,8 @@ def hf_config_from_metadata(meta: GGUFMetadata) -> PretrainedConfig:
     hidden_size = int(meta.arch_get("embedding_length"))
     head_dim = int(meta.arch_get("attention.key_length", hidden_size // num_heads))
     _check_supported_rope(meta, head_dim)
-    return meta.arch.config_class(
+    # A dict: the base class that config_class is typed as declares none of these fields.
+    fields: dict[str, Any] = dict(
         architectures=[meta.arch.hf_architecture],
         vocab_size=_vocab_size(meta),
         hidden_size=hidden_size,
@@ -130,6 +131,7 @@ def hf_config_from_metadata(meta: GGUFMetadata) -> PretrainedConfig:
         tie_word_embeddings="output.weight" not in meta.tensor_names(),
         **_special_token_ids(meta),
     )
+    return meta.arch.config_class(**fields)
 
 
 def open_gguf(path: Path) -> GGUFMetadata:

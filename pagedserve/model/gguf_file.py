@@ -1,10 +1,11 @@
 """A GGUF file's metadata and tensor table, read with ``struct`` over a read-only memory map.
 
 Why not ``gguf.GGUFReader``: it builds a numpy memmap view for every value it meets, and a
-vocabulary plus its merge table are ~100k strings, which costs ~2.5 s for SmolLM2 on one core
-(most of it in ``np.memmap.__array_finalize__``). This reads the same header in tens of
-milliseconds. Arrays of strings (``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges``) are
-walked but not decoded, only their length is kept; the tokenizer reads them itself.
+vocabulary plus its merge table are ~100k strings, so most of the read goes to
+``np.memmap.__array_finalize__`` (docs/cpu.md#start-up-on-the-host). This reads the same header
+with ``struct``, building no array per value. Arrays of strings (``tokenizer.ggml.tokens``,
+``tokenizer.ggml.merges``) are walked but not decoded, only their length is kept; the tokenizer
+reads them itself.
 
 Layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64
 key/value count; the key/values; one entry per tensor (name, u32 n_dims, u64 dims innermost

@@ -1,8 +1,8 @@
 """A disk cache of tokenizers converted from GGUF metadata.
 
 Why: building a tokenizer from a GGUF file walks its whole vocabulary and merge table through
-transformers' converter (~0.35 s of CPU for SmolLM2, every start-up); loading the converted
-``tokenizer.json`` back takes ~0.09 s.
+transformers' converter on every start-up; loading the converted ``tokenizer.json`` back is a
+fraction of that (docs/cpu.md#start-up-on-the-host).
 
 Where: ``$XDG_CACHE_HOME/pagedserve/tokenizers`` (default ``~/.cache/pagedserve/tokenizers``),
 one folder per GGUF file (named by a hash of its resolved path) holding what
@@ -63,8 +63,8 @@ def _record_added_tokens(folder: Path, tokenizer: PreTrainedTokenizerBase) -> No
     transformers 4 did (transformers 5 leaves them out for tokenizers-backed classes).
 
     Why: without them ``from_pretrained`` takes its legacy path and parses the whole
-    ``tokenizer.json`` in Python to find them: ~0.2 s of a ~0.3 s load in a fresh process
-    (the rest is the tokenizers library reading the same file). The tokens are the ones
+    ``tokenizer.json`` in Python to find them, which costs more than the tokenizers library
+    reading the same file. The tokens are the ones
     ``tokenizer.json`` holds, so loading adds nothing new."""
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():

@@ -10,8 +10,8 @@ Variations hook in through ``attention_cls`` (a subclass of ``LlamaAttention``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -195,11 +195,28 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
+class LayerTypes(NamedTuple):
+    """The exact classes of a decoder layer and its parts (the fused one-token forward
+    re-implements the layer, so it serves only the classes it was written for)."""
+
+    decoder_layer: type[nn.Module]
+    attention: type[nn.Module]
+    mlp: type[nn.Module]
+    norm: type[nn.Module]
+
+
+LLAMA_LAYERS = LayerTypes(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm)
+
+
 class LlamaForCausalLM(nn.Module):
     """The causal LM; with ``tp`` of several ranks, this rank's shard of it (each rank builds
     its own, loads its slices of every weight and joins the others in the collectives)."""
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    one_token_layers: LayerTypes = LLAMA_LAYERS
+    """The layer classes whose one-token forward this model runs on the fused GEMV kernels;
+    a model whose layers are of other classes (a subclass's attention or MLP: Qwen3's q/k
+    norms) gets no GEMV forward unless it declares them here."""
 
     def __init__(
         self,
@@ -231,6 +248,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] (the rows that need logits) -> [N, vocab_size]."""
         return self.logits_processor(self.lm_head, hidden_states)
+
+    def one_token_forward(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """``(input_ids [1], positions [1]) -> hidden_states [1, hidden]`` on the fused GEMV
+        kernels (``model/gemv_decode.py``; Triton, for CUDA), or None where they do not fit
+        this model (its layers are not exactly ``one_token_layers``, tensor parallelism, a
+        head_dim off the kernels' tile; the reason is logged): the compiled forward then
+        serves one-token steps."""
+        from pagedserve.model.gemv_decode import gemv_decode_forward  # Triton: on use only
+
+        return gemv_decode_forward(self, self.one_token_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names."""

@@ -10,6 +10,9 @@ checkpoint through it: every parameter's ``weight_loader`` keeps this rank's sli
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -19,7 +22,7 @@ from pagedserve.distributed.parallel_state import TensorParallelGroup, get_tp_gr
 from pagedserve.model.checkpoint import WeightStream, iterate_weights
 from pagedserve.model.dummy_weights import load_dummy_weights
 from pagedserve.model.registry import get_model_class
-from pagedserve.model.resolve import CheckpointError, ResolvedModel, resolve_model
+from pagedserve.model.resolve import CheckpointError, ResolvedModel, resolve_model_config
 
 __all__ = [
     "check_tensor_parallel_size",
@@ -30,10 +33,19 @@ __all__ = [
 ]
 
 
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """A model class of the registry: it maps checkpoint tensors onto its parameters."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+
 def load_checkpoint(model: nn.Module, resolved: ResolvedModel) -> None:
     """Stream the checkpoint into ``model``. ``model.load_weights`` raises ValueError naming the
     tensor (a shape that does not fit, a name that matches no parameter, parameters left
     without a tensor); we add the file it came from."""
+    if not isinstance(model, LoadsWeights):
+        raise TypeError(f"{type(model).__name__} has no load_weights method")
     stream = WeightStream(resolved)
     try:
         model.load_weights(stream)
@@ -96,7 +108,7 @@ def load_model(
     (``get_tp_group()``; a single rank unless a worker joined a group at start-up).
     """
     tp = get_tp_group() if tp is None else tp
-    resolved = resolve_model(model_config.model, model_config.load_format)
+    resolved = resolve_model_config(model_config)
     get_max_model_len(model_config, resolved.hf_config)  # refuse a bad length before building
     check_tensor_parallel_size(resolved.hf_config, tp.size, resolved.config_source)
     model_class = _model_class(resolved)

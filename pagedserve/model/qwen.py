@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.model.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.model.llama import LLAMA_LAYERS, LlamaAttention, LlamaForCausalLM
 
 
 class Qwen2Attention(LlamaAttention):
@@ -51,6 +51,8 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
+    # Llama's attention with other biases: the fused kernels take any bias.
+    one_token_layers = LLAMA_LAYERS._replace(attention=Qwen2Attention)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

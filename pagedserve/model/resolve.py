@@ -1,4 +1,5 @@
-"""Find a model on disk: a Hugging Face folder, a GGUF file, or the default model's short name.
+"""Find a model: a Hugging Face folder, a GGUF file, a hub name (``org/name``, through the
+hub's cache), or the default model's short name.
 
 ``resolve_model`` turns the user's ``--model`` string into a ``ResolvedModel``: where the files
 are, which loader reads them, and the Hugging Face config (from ``config.json`` or, for GGUF,
@@ -15,8 +16,9 @@ from typing import Literal
 
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedserve.config import DEFAULT_MODEL
+from pagedserve.config import DEFAULT_MODEL, ModelConfig
 from pagedserve.model.gguf_config import GGUFMetadata, hf_config_from_metadata, open_gguf
+from pagedserve.model.hub import is_repo_id, snapshot_folder
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
@@ -70,19 +72,27 @@ def default_model_file() -> Path:
     return path
 
 
-def locate(model: str, field: str = "model") -> tuple[Path, Path | None]:
+def locate(
+    model: str, field: str = "model", revision: str | None = None,
+    download_dir: str | None = None,
+) -> tuple[Path, Path | None]:
     """``model`` -> (folder, GGUF file or None). A folder holding exactly one ``.gguf`` and no
-    safetensors resolves to that file. Raises ``ValueError`` naming ``field`` (the option the
-    path came from) and the missing path."""
+    safetensors resolves to that file; a hub name that is not a local path resolves to its
+    snapshot folder in the hub cache (``revision``, ``download_dir``: ``snapshot_download``'s).
+    Raises ``ValueError`` naming ``field`` (the option the path came from) and the path."""
     path = Path(model).expanduser()
     if not path.exists():
         if model in DEFAULT_MODEL_NAMES:
             gguf_file = default_model_file()
             return gguf_file.parent, gguf_file
-        raise ValueError(
-            f"{field}: {path} does not exist (expected a Hugging Face folder, a .gguf file, "
-            f"or the default model's short name {DEFAULT_MODEL!r})"
-        )
+        if is_repo_id(model):
+            path = snapshot_folder(model, revision, download_dir, field)
+        else:
+            raise ValueError(
+                f"{field}: {path} does not exist (expected a Hugging Face folder, a .gguf file, "
+                f"a hub name such as org/name, or the default model's short name "
+                f"{DEFAULT_MODEL!r})"
+            )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{field}: {path} is a file but not a .gguf file")
@@ -135,14 +145,34 @@ def _load_hf_config(folder: Path) -> PretrainedConfig:
         raise ValueError(f"model: cannot read {config_file}: {e}") from e
 
 
-def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
+def check_not_quantized(hf_config: PretrainedConfig, source: Path) -> None:
+    """Refuse a quantized checkpoint (a ``quantization_config`` in ``config.json``) by its
+    method's name: its weights are not plain floats, so loading them as such would fail on
+    a scale tensor or, worse, compute with raw integers."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not quantization:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    raise CheckpointError(
+        f"{source}: quantization_config.quant_method {str(method)!r}: quantized checkpoints "
+        f"(FP8, AWQ, GPTQ, bitsandbytes, compressed-tensors, ...) are not supported yet; use "
+        f"a bfloat16/float16/float32 checkpoint or a GGUF file"
+    )
+
+
+def resolve_model(
+    model: str, load_format: str = "auto", revision: str | None = None,
+    download_dir: str | None = None,
+) -> ResolvedModel:
     """Find ``model``'s files and config. ``load_format``: auto | safetensors | gguf | dummy
-    (dummy needs only the config: ``config.json`` or a GGUF file's metadata)."""
+    (dummy needs only the config: ``config.json`` or a GGUF file's metadata). ``revision`` and
+    ``download_dir`` apply to hub names (see ``locate``)."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(
             f"load_format: {load_format!r} is not one of auto, safetensors, gguf, dummy"
         )
-    folder, gguf_file = locate(model)
+    folder, gguf_file = locate(model, "model", revision, download_dir)
     if load_format == "safetensors" and gguf_file is not None:
         raise ValueError(f"model: load_format 'safetensors' but {gguf_file} is a GGUF file")
     if load_format == "gguf" and gguf_file is None:  # a folder with safetensors and a GGUF
@@ -152,7 +182,20 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
         meta = open_gguf(gguf_file)
         return ResolvedModel(folder, fmt, hf_config_from_metadata(meta), gguf_file, meta)
     hf_config = _load_hf_config(folder)
+    check_not_quantized(hf_config, folder / "config.json")
     if load_format == "dummy":
         return ResolvedModel(folder, "dummy", hf_config)
     safetensors_files(folder)  # fail here, before a model is built, when weights are missing
     return ResolvedModel(folder, "safetensors", hf_config)
+
+
+def resolve_model_config(model_config: ModelConfig) -> ResolvedModel:
+    """``resolve_model`` with every option ``model_config`` holds for it."""
+    return resolve_model(model_config.model, model_config.load_format, model_config.revision,
+                         model_config.download_dir)
+
+
+def model_folder(model_config: ModelConfig) -> Path:
+    """The folder of ``model_config.model`` (for a GGUF model, the file's folder)."""
+    return locate(model_config.model, "model", model_config.revision,
+                  model_config.download_dir)[0]

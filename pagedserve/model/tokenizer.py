@@ -9,6 +9,7 @@ start-up loads it instead of converting the vocabulary again.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TokenizersBackend
 from transformers.models.auto import TOKENIZER_MAPPING
@@ -17,7 +18,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.model.gguf_config import GGUF_ARCHS
 from pagedserve.model.gguf_file import GGUFFile
 from pagedserve.model.gguf_tokenizer_cache import TokenizerCache, cache_key
-from pagedserve.model.resolve import ResolvedModel, locate
+from pagedserve.model.resolve import locate
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 """Files that make ``AutoTokenizer`` pick its class from the folder rather than the model."""
@@ -31,15 +32,21 @@ def _gguf_tokenizer_class(gguf_file: Path) -> type[PreTrainedTokenizerBase] | No
     Raises ValueError naming the file when it is not a readable GGUF file.
 
     Why not ``AutoTokenizer`` itself: for llama/qwen2/qwen3 files it first builds the model's
-    config through transformers' old GGUF reader, ~3 s of parsing the vocabulary once more;
-    the class's own GGUF path (a fast reader) takes ~0.3 s.
+    config through transformers' old GGUF reader, parsing the whole vocabulary once more; the
+    class's own GGUF path uses a fast reader (docs/cpu.md#start-up-on-the-host).
     """
     if any((gguf_file.parent / name).exists() for name in TOKENIZER_FILES):
         return None
     arch = GGUFFile(gguf_file).metadata.get("general.architecture")  # ValueError if unreadable
     if arch not in GGUF_ARCHS:
         return None
-    return TOKENIZER_MAPPING.get(GGUF_ARCHS[arch].config_class, None) or TokenizersBackend
+    # transformers annotates the mapping's values as (slow, fast) pairs; since v5 they are the
+    # tokenizer class itself.
+    registered = cast(
+        "type[PreTrainedTokenizerBase] | None",
+        TOKENIZER_MAPPING.get(GGUF_ARCHS[arch].config_class, None),
+    )
+    return registered or TokenizersBackend
 
 
 def _gguf_chat_template(gguf_file: Path) -> str | None:
@@ -48,7 +55,7 @@ def _gguf_chat_template(gguf_file: Path) -> str | None:
 
 
 def _convert_gguf_tokenizer(
-    gguf_file: Path, tokenizer_class: type[PreTrainedTokenizerBase]
+    gguf_file: Path, tokenizer_class: type[PreTrainedTokenizerBase] | type[AutoTokenizer]
 ) -> PreTrainedTokenizerBase:
     """Build the tokenizer from ``tokenizer.ggml.*``. transformers (in current versions) also
     takes the chat template from ``tokenizer.chat_template``; we read it ourselves if not."""
@@ -88,19 +95,16 @@ def tokenizer_from_folder(folder: Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"tokenizer: no usable tokenizer files in {folder}: {e}") from e
 
 
-def load_tokenizer(resolved: ResolvedModel) -> PreTrainedTokenizerBase:
-    """The tokenizer of a resolved model (GGUF metadata, else the folder's tokenizer files)."""
-    if resolved.gguf_file is not None:
-        return tokenizer_from_gguf(resolved.gguf_file)
-    return tokenizer_from_folder(resolved.path)
-
-
 def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
-    """``model_config.tokenizer`` (a folder or ``.gguf`` file) if set, else the model's own."""
+    """``model_config.tokenizer`` (a folder, ``.gguf`` file or hub name) if set, else the
+    model's own."""
     if model_config.tokenizer:
-        folder, gguf_file = locate(model_config.tokenizer, "tokenizer")
+        revision = model_config.tokenizer_revision or model_config.revision
+        folder, gguf_file = locate(model_config.tokenizer, "tokenizer", revision,
+                                   model_config.download_dir)
     else:
-        folder, gguf_file = locate(model_config.model)
+        folder, gguf_file = locate(model_config.model, "model", model_config.revision,
+                                   model_config.download_dir)
     if gguf_file is not None:
         return tokenizer_from_gguf(gguf_file)
     return tokenizer_from_folder(folder)

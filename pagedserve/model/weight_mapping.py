@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagedserve.layers.linear import ShardId, weight_loader_of
+
 # (fused parameter, checkpoint name, shard id)
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     ("qkv_proj", "q_proj", "q"),
@@ -21,7 +23,7 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
     ("gate_up_proj", "up_proj", 1),
 )
 
-ShardKey = tuple[str, str | int | None]
+ShardKey = tuple[str, ShardId]
 
 
 def map_checkpoint_name(name: str) -> ShardKey:
@@ -36,7 +38,9 @@ def expected_shards(param_names: Iterable[str]) -> set[ShardKey]:
     """Every (parameter, shard) a complete checkpoint must fill."""
     expected: set[ShardKey] = set()
     for name in param_names:
-        shards = [shard for fused, _, shard in STACKED_PARAMS if f".{fused}." in name]
+        shards: list[ShardId] = [
+            shard for fused, _, shard in STACKED_PARAMS if f".{fused}." in name
+        ]
         expected.update((name, shard) for shard in shards or [None])
     return expected
 
@@ -64,7 +68,7 @@ def load_checkpoint_weights(
                 )
             param = params[param_name]
             try:
-                param.weight_loader(param, tensor, shard_id)
+                weight_loader_of(param)(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r} -> {param_name}: {e}") from None
             loaded.add((param_name, shard_id))

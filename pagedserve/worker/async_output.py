@@ -1,4 +1,4 @@
-"""The step's result on its way to the host (stop 14).
+"""The step's result on its way to the host (docs/architecture.md#step-8-async-output).
 
 On CUDA the sampled ids and logprobs are copied into pinned host memory on a side stream that
 first waits for the main stream; an event marks the end of the copy. ``get_output`` waits on

@@ -1,6 +1,7 @@
 """Attention plumbing of the runner: one metadata object per step and the forward context
-that carries it to every layer by name (``docs/architecture.md#step-5-attention-metadata``).
-The backend comes from the platform (``Platform.attention_backend``)."""
+that carries it to every layer by name (the backend comes from ``Platform.attention_backend``).
+
+docs/architecture.md#step-5-attention-metadata and #step-6-forward."""
 
 from __future__ import annotations
 

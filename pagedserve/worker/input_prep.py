@@ -1,4 +1,5 @@
-"""Build one step's inputs on the device: torch reference implementations (stops 3 and 4).
+"""Build one step's inputs on the device: torch reference implementations
+(docs/architecture.md#step-3-prepare-inputs, #step-4-block-tables-and-slot-mapping).
 
 The CPU path and the oracle of the Triton twins in ``pagedserve/kernels/input_prep.py`` (same
 signatures). Batch row ``i`` reads request state at slot ``s = idx_mapping[i]``; its tokens are

@@ -2,33 +2,28 @@
 
 One block holds ``block_size`` tokens of keys and values of every attention layer. The number
 of blocks comes from, in order: ``num_gpu_blocks_override``; on the CPU the
-``kv_cache_memory`` byte budget; on CUDA the budget of a ``MemoryProfile`` (profile.py):
+``kv_cache_memory`` byte budget (``cpu_kv_budget``); on CUDA the budget the memory profile
+leaves (``profile.MemoryProfile.kv_budget``). A budget never yields more blocks than
+``max_num_seqs`` full-length requests could use (plus the block pool's null block). See
+docs/architecture.md#kv-cache-and-prefix-caching.
 
-    gpu_memory_utilization x card memory
-      - what the engine holds before the cache (weights, runner buffers, library workspaces,
-        loaded kernels: card memory in use now minus what was in use before the engine)
-      - peak activations of the largest step
-      - CUDA graphs (PIECEWISE measured, FULL estimated; graph_capture.py)
-
-so that the engine at its largest step uses ``gpu_memory_utilization`` of the card; alone in
-its process on an empty card it leaves ``1 - gpu_memory_utilization`` free, less the CUDA
-context, which exists before the engine.
-A budget never yields more blocks than ``max_num_seqs`` full-length requests could use (plus
-the block pool's null block).
+On the CPU a context that does not fit the budget is shortened to what fits, with one warning
+(``fit_max_model_len``), so that a first run on a small machine works; and the cache's zeros
+come from the kernel's zero pages (``Platform.zeros``), so a large budget costs memory
+only as requests fill it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
+import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from pagedserve.attention.layer import Attention
-from pagedserve.compilation.phase_log import KV_BUDGET_FIELD, log_phase
+from pagedserve.compilation.phase_log import log_phase
 from pagedserve.platform import platform_for
 from pagedserve.worker.block_table import cdiv
 
@@ -37,6 +32,54 @@ logger = logging.getLogger(__name__)
 MIN_NUM_BLOCKS = 2
 """The block pool's null block plus at least one usable block."""
 _GIB = 2**30
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * _GIB
+"""vLLM's CPU default: room for the default model's full context many times over."""
+CPU_KV_SHARE_OF_AVAILABLE = 0.5
+"""The default budget never takes more than this share of the memory available at start-up,
+so a small machine keeps room for the rest of its work."""
+
+
+def available_host_bytes() -> int:
+    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), else the
+    machine's free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_kv_budget(kv_cache_memory: int | None) -> int:
+    """The CPU KV cache's byte budget: ``kv_cache_memory`` when set, else 4 GiB or half the
+    available memory, whichever is less."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, int(available_host_bytes() * CPU_KV_SHARE_OF_AVAILABLE))
+
+
+def fit_max_model_len(max_model_len: int, budget_bytes: int, bytes_per_block: int,
+                      block_size: int) -> int:
+    """``max_model_len``, or the longest context one request can hold in ``budget_bytes``
+    (whole blocks, one of them the null block) when that is shorter, with a warning naming the
+    options that restore it. ValueError naming ``kv_cache_memory`` when not one block fits."""
+    usable_blocks = max(budget_bytes, 0) // bytes_per_block - 1
+    fitting = usable_blocks * block_size
+    if fitting >= max_model_len:
+        return max_model_len
+    if usable_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory: {budget_bytes / 2**20:.1f} MiB holds no KV block of "
+            f"{bytes_per_block / 2**20:.2f} MiB beside the null block; give it more memory"
+        )
+    logger.warning(
+        "max_model_len lowered from %d to %d tokens: that is what one request can hold in the "
+        "CPU KV cache's %.2f GiB (set --kv-cache-memory higher, e.g. %.1fGiB, for the full "
+        "context, or --max-model-len to choose)", max_model_len, fitting, budget_bytes / _GIB,
+        (cdiv(max_model_len, block_size) + 1) * bytes_per_block / _GIB + 0.05)
+    return fitting
 
 
 def kv_bytes_per_block(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -65,64 +108,6 @@ def num_blocks_from_budget(budget_bytes: int, bytes_per_block: int, max_blocks: 
     return num_blocks
 
 
-@dataclass(frozen=True)
-class MemoryProfile:
-    """Device memory besides the KV cache, measured at start-up (bytes)."""
-
-    total: int
-    """The card's memory."""
-    baseline: int
-    """In use on the card before the engine loaded its weights: this process's CUDA context,
-    other engines and processes. Not the engine's: ``gpu_memory_utilization`` is the share of
-    the card the engine itself may use (vLLM's per-instance meaning)."""
-    in_use: int
-    """In use on the card before the KV cache and the graphs: the baseline plus the engine's
-    weights, runner buffers, library workspaces and loaded kernels."""
-    weights: int
-    """The model's weights (part of ``in_use``; for the log)."""
-    activations: int
-    """Peak the largest step reserves beyond ``in_use`` (allocator segments, not tensors:
-    that is what stays unavailable to others)."""
-    graphs: int
-    """CUDA graphs: PIECEWISE measured, FULL estimated."""
-
-    def __post_init__(self) -> None:
-        for name in ("total", "baseline", "in_use", "weights", "activations", "graphs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"MemoryProfile.{name}: negative ({getattr(self, name)})")
-        for name in ("baseline", "in_use"):
-            if getattr(self, name) > self.total:
-                raise ValueError(f"MemoryProfile.{name}: {getattr(self, name)} exceeds the card "
-                                 f"({self.total})")
-
-    @property
-    def engine(self) -> int:
-        """What the engine holds before its KV cache and graphs: the growth since the
-        baseline, and at least the weights (another process may have freed memory since)."""
-        return max(self.in_use - self.baseline, self.weights)
-
-    def kv_budget(self, gpu_memory_utilization: float) -> int:
-        """``gpu_memory_utilization x total - engine - activations - graphs`` (may be < 0)."""
-        allowed = int(gpu_memory_utilization * self.total)
-        return allowed - self.engine - self.activations - self.graphs
-
-
-def cuda_kv_budget(profile: MemoryProfile, gpu_memory_utilization: float) -> int:
-    """The KV cache's byte budget; logs every term."""
-    budget = profile.kv_budget(gpu_memory_utilization)
-    logger.info(
-        "KV cache budget: %.2f x %.2f GiB - weights %.2f GiB - other %.2f GiB (buffers, "
-        "workspaces, kernels) - activations %.2f GiB - CUDA graphs %.2f GiB = %.2f GiB (%.2f "
-        "GiB were in use before the engine)", gpu_memory_utilization, profile.total / _GIB,
-        profile.weights / _GIB, (profile.engine - profile.weights) / _GIB,
-        profile.activations / _GIB, profile.graphs / _GIB, budget / _GIB,
-        profile.baseline / _GIB,
-        extra={KV_BUDGET_FIELD: {**dataclasses.asdict(profile), "budget": budget,
-                                 "gpu_memory_utilization": gpu_memory_utilization}},
-    )  # fmt: skip
-    return budget
-
-
 def used_device_bytes(device: torch.device) -> int:
     """Memory in use on the card (every process), after this process's allocator gave its
     unused cached blocks back; CUDA only."""
@@ -141,12 +126,10 @@ def allocate_kv_caches(
 ) -> dict[str, torch.Tensor]:
     """layer name -> [2, num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
     start = time.perf_counter()
-    caches = {
-        name: torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=dtype,
-                          device=device)
-        for name, layer in layers.items()
-    }
-    platform_for(device).synchronize()  # the zero-fill belongs to the allocation's time
+    platform = platform_for(device)
+    caches = {name: platform.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype)
+              for name, layer in layers.items()}
+    platform.synchronize()  # the zero-fill belongs to the allocation's time
     nbytes = sum(t.numel() * t.element_size() for t in caches.values())
     log_phase(logger, "allocate KV cache", time.perf_counter() - start,
               f"{num_blocks} blocks, {nbytes / _GIB:.2f} GiB", num_blocks=num_blocks,

@@ -1,16 +1,15 @@
-"""The model runner: one engine step on the device, as the seed's forward-pass tour walks it.
+"""The model runner: one engine step on the device (docs/architecture.md#one-engine-step).
 
-``execute_model`` applies the scheduler's plan to the request slots (stop 1), orders the batch
-and picks its graph descriptor (2), builds the inputs (3), block tables and slot mappings (4),
-one attention metadata object (5), and runs the model inside the forward context (6-12); the
-hidden states are kept. ``sample_tokens`` turns the last row of each request whose prefill is
-complete into logits, samples, writes ``last_sampled_tokens`` on the device for the next step,
-and copies the result to the host (13-14).
+``execute_model`` applies the scheduler's plan to the request slots (step 1), orders the batch
+and picks its graph descriptor (step 2), builds the inputs (step 3), block tables and slot
+mappings (step 4), one attention metadata object (step 5), and runs the model inside the
+forward context (step 6); the hidden states are kept. ``sample_tokens`` turns the last row of
+each request whose prefill is complete into logits, samples, writes ``last_sampled_tokens`` on
+the device for the next step, and starts the copy of the result to the host (steps 7-8).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,13 +35,7 @@ from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput
 from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
 from pagedserve.worker.block_table import BlockTables, single_group
-from pagedserve.worker.cudagraph import (
-    BatchDescriptor,
-    CudaGraphMode,
-    capture_ladders,
-    dispatch,
-)
-from pagedserve.worker.graph_capture import capture_graphs
+from pagedserve.worker.cudagraph import CudaGraphManager, padded_buffer_sizes
 from pagedserve.worker.input_batch import (
     InputBatch,
     InputBuffers,
@@ -50,13 +43,10 @@ from pagedserve.worker.input_batch import (
     prepare_inputs,
     stage_batch,
 )
-from pagedserve.worker.profile import profile_memory
+from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
 from pagedserve.worker.states import NO_LOGPROBS, RequestStates
-from pagedserve.worker.tracer import NullTracer, Tracer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,27 +68,23 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(config.model.dtype, device)
+        self.kv_cache_dtype = config.cache.cache_dtype(self.dtype)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.capture_ladders = capture_ladders(config)
         # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
-        self.max_num_tokens = self.capture_ladders.max_padded_tokens(self.max_num_batched_tokens)
-        self.max_num_reqs_padded = self.capture_ladders.max_padded_reqs(self.max_num_reqs)
+        self.max_num_tokens, self.max_num_reqs_padded = padded_buffer_sizes(config)
         # The device's implementations, chosen once here; no step branches on the device.
         self.platform = platform_for(device)
         self.ops = self.platform.input_prep_ops()
         self.attn_backend = self.platform.attention_backend()
         self.copy_stream = self.platform.new_stream()
-        self.tracer: Tracer = NullTracer()
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
-        # Graphs: sizes captured per mode, and the mode being captured right now (start-up).
+        self.cpu_kv_budget: int | None = None
+        """The CPU KV cache's byte budget, decided once while loading (``_fit_cpu_context``)."""
         self.compiled_forward: CompiledForward | None = None
-        self.captured_sizes: dict[CudaGraphMode, set[int]] = {
-            CudaGraphMode.FULL: set(), CudaGraphMode.PIECEWISE: set()}
-        self.capturing: CudaGraphMode | None = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -114,10 +100,12 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
-        # The model's shape decides an unset budget_step_graph; token buffers do not depend on
-        # the exact sizes (max_padded_tokens reads the ladders only), so they stay as sized.
-        self.capture_ladders = capture_ladders(self.config,
-                                               ModelShape.from_hf_config(self.hf_config))
+        if not self.platform.kv_budget_from_memory:
+            self.max_model_len = self._fit_cpu_context(self.max_model_len)
+        # The model's shape decides an unset budget_step_graph (the buffers' sizes do not
+        # depend on it: see padded_buffer_sizes).
+        self.graphs = CudaGraphManager(self.config, ModelShape.from_hf_config(self.hf_config),
+                                       self.max_model_len, self.device)
         self.layer_names = list(self.attn_layers)
         # Every array the host writes for the device each step, in one buffer: one copy.
         self.staging = StagingBuffer(
@@ -138,47 +126,60 @@ class ModelRunner:
         compilation = self.config.compilation
         if compilation.uses_compile(self.platform):
             self.compiled_forward = CompiledForward(
-                self.model, compilation.piece_compiler,
-                use_cuda_graphs=compilation.uses_cuda_graphs(self.platform),
+                self.model, compilation.piece_compiler, self.graphs.pool,
                 one_token_forward=self._one_token_forward())
             self.forward_fn = self.compiled_forward
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
-        """The fused GEMV forward for one-token steps, where configured and supported (CUDA:
-        its kernels are Triton's; on the CPU the compiled forward serves every step)."""
+        """The model's own forward for one-token steps, where configured and the model has one
+        (CUDA: the fused GEMV kernels are Triton's; on the CPU the compiled forward serves
+        every step)."""
         if (self.config.compilation.one_token_step != "gemv"
                 or not self.platform.has_triton_kernels()):
             return None
-        from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
-
-        reason = unsupported_reason(self.model)
-        if reason is not None:
-            logger.info("one-token steps run the compiled forward: %s", reason)
-            return None
-        return GemvDecodeForward(self.model)
+        declared = getattr(self.model, "one_token_forward", None)  # a model capability
+        return None if declared is None else declared()
 
     def capture_graphs(self) -> dict[str, list[int]]:
-        """Capture the FULL and PIECEWISE graphs (CUDA only; after the KV cache exists)."""
-        if not self.config.compilation.uses_cuda_graphs(self.platform):
-            return {}
-        return capture_graphs(self)
+        """Capture the FULL and PIECEWISE graphs (after the KV cache exists; {} where graphs
+        are off)."""
+        return self.graphs.capture(self, self.compiled_forward, self.num_blocks)
+
+    def _fit_cpu_context(self, max_model_len: int) -> int:
+        """On the CPU the KV budget is known before anything is sized: shorten a context that
+        one request could not hold (the buffers below are sized from the result)."""
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return max_model_len
+        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
+                                                self.kv_cache_dtype)
+        self.cpu_kv_budget = kv_cache.cpu_kv_budget(cache.kv_cache_memory)
+        return kv_cache.fit_max_model_len(max_model_len, self.cpu_kv_budget, per_block,
+                                          self.block_size)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.platform.kv_budget_from_memory:
-            budget = kv_cache.cuda_kv_budget(profile_memory(self), cache.gpu_memory_utilization)
+            step = profile_step(self.max_num_batched_tokens, self.max_num_reqs,
+                                self.max_model_len, self.block_size)
+            profiler = MemoryProfiler(self.device, step, self.memory_baseline, self.weights_bytes)
+            profile = profiler.measure(self, self.compiled_forward, self.graphs)
+            budget = profile.log_kv_budget(cache.gpu_memory_utilization)
         else:
-            budget = cache.kv_cache_memory
-        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
+            budget = (self.cpu_kv_budget if cache.kv_cache_memory is None
+                      and self.cpu_kv_budget is not None
+                      else kv_cache.cpu_kv_budget(cache.kv_cache_memory))
+        per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
+                                                self.kv_cache_dtype)
         max_blocks = kv_cache.max_useful_blocks(self.max_num_reqs, self.max_model_len,
                                                 self.block_size)
         return kv_cache.num_blocks_from_budget(budget, per_block, max_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks,
-                                                     self.block_size, self.dtype, self.device)
+        self.kv_caches = kv_cache.allocate_kv_caches(self.attn_layers, num_blocks, self.block_size,
+                                                     self.kv_cache_dtype, self.device)
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         self.num_blocks = num_blocks
 
@@ -188,7 +189,7 @@ class ModelRunner:
             layer.kv_cache = None
         self.kv_caches = {}
 
-    # ---- stop 1: the plan -----------------------------------------------------------------
+    # ---- step 1: the plan (docs/architecture.md#step-1-apply-the-plan) --------------------
 
     def _remove_request(self, req_id: str) -> None:
         slot = self.states.remove_request(req_id)
@@ -223,16 +224,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         self._update_requests(so.scheduled_cached_reqs)
-        self.tracer.record(
-            "plan",
-            req_id_to_index=self.states.req_id_to_index,
-            num_computed_tokens=self.states.num_computed_tokens_np,
-            prefill_len=self.states.prefill_len_np,
-            num_blocks=self.block_tables.num_blocks_np,
-            block_table=self.block_tables.block_table_np,
-        )
 
-    # ---- stops 2-6: inputs, attention metadata, forward -------------------------------------
+    # ---- steps 2-6: batch, inputs, attention metadata, forward ------------------------------
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -247,16 +240,6 @@ class ModelRunner:
         hidden_states = self._run_model(batch, metadata)
         self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states)
 
-    def _execution_mode(self, descriptor: BatchDescriptor) -> CudaGraphMode:
-        """How a step really runs: the descriptor's graph if it was captured (or is being
-        captured now), else eagerly, with the tokens padded as the descriptor says."""
-        mode = descriptor.mode
-        if mode is CudaGraphMode.NONE:
-            return mode
-        if self.capturing is mode or descriptor.num_tokens in self.captured_sizes[mode]:
-            return mode
-        return CudaGraphMode.NONE
-
     def _flush_block_tables(self) -> None:
         """A step without tokens still lands its staged block-table writes, so entries never
         pile up across steps (a flat index must not repeat within one scatter)."""
@@ -268,26 +251,13 @@ class ModelRunner:
         plan = plan_batch(so.num_scheduled_tokens, self.states)
         plan.check(so.total_num_scheduled_tokens, self.max_num_batched_tokens, self.max_model_len,
                    self.block_tables.num_blocks_np, self.block_size)
-        descriptor = dispatch(plan.num_reqs, plan.num_tokens, plan.uniform_decode_len,
-                              self.capture_ladders, self.config.compilation.enforce_eager)
-        mode = self._execution_mode(descriptor)
-        self.tracer.record("batch", req_ids=plan.req_ids, idx_mapping=plan.idx_mapping_np,
-                           query_lens=plan.query_lens_np, has_prefill=plan.has_prefill,
-                           uniform_decode_len=plan.uniform_decode_len, descriptor=descriptor,
-                           execution_mode=mode,
-                           capture_sizes=self.capture_ladders.ladder(descriptor.mode))
+        descriptor, mode = self.graphs.dispatch(plan)
         query_start_loc_np = stage_batch(plan, self.buffers)
         # The step's one host-to-device copy: slot counts, batch rows, block-table entries.
         self.staging.copy_to_device()
         self.block_tables.apply_staged_writes()
-        batch = prepare_inputs(plan, query_start_loc_np, descriptor, mode, self.buffers,
-                               self.states, self.ops)
-        self.tracer.record("inputs", query_start_loc=batch.query_start_loc,
-                           query_start_loc_buffer=self.buffers.query_start_loc,
-                           input_ids=batch.input_ids, positions=batch.positions,
-                           seq_lens=batch.seq_lens, logits_indices=batch.logits_indices,
-                           is_padding=batch.is_padding)
-        return batch
+        return prepare_inputs(plan, query_start_loc_np, descriptor, mode, self.buffers,
+                              self.states, self.ops)
 
     def _prepare_attn(self, batch: InputBatch) -> AttentionMetadata:
         block_table = self.block_tables.gather_block_tables(batch.idx_mapping,
@@ -295,20 +265,14 @@ class ModelRunner:
         slot_mapping = self.block_tables.compute_slot_mappings(
             batch.idx_mapping, batch.query_start_loc, self.buffers.positions,
             batch.num_tokens_after_padding)
-        self.tracer.record("attn", block_table=block_table, slot_mapping=slot_mapping,
-                           block_size=self.block_size)
-        metadata = build_attn_metadata(batch, block_table, slot_mapping, self.max_model_len)
-        self.tracer.record("metadata", metadata=metadata, layer_names=self.layer_names)
-        return metadata
+        return build_attn_metadata(batch, block_table, slot_mapping, self.max_model_len)
 
     def _run_model(self, batch: InputBatch, metadata: AttentionMetadata) -> torch.Tensor:
         ctx = make_forward_context(self.attn_layers, metadata, batch)
         with set_forward_context(ctx):
-            hidden_states = self.forward_fn(batch.input_ids, batch.positions)
-        self.tracer.record("forward", hidden_states=hidden_states, cudagraph_mode=batch.mode)
-        return hidden_states
+            return self.forward_fn(batch.input_ids, batch.positions)
 
-    # ---- stops 13-14: logits, sampler, output -------------------------------------------------
+    # ---- steps 7-8: logits, sampler, output ----------------------------------------------
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -356,10 +320,13 @@ class ModelRunner:
     def _sample(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,
                 idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> SamplerOutput:
         """``idx_mapping`` is int64: the sampler's index ops take it without a conversion."""
-        sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
-        logits = self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
-        self.tracer.record("logits", logits=logits, logits_indices=logits_indices)
+        logits = self._compute_logits(hidden_states, logits_indices)  # [num_rows, V]
         return self.sampler(logits, idx_mapping, idx_mapping_np)
+
+    def _compute_logits(self, hidden_states: torch.Tensor,
+                        logits_indices: torch.Tensor) -> torch.Tensor:
+        sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
+        return self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
 
     def _postprocess(self, idx_mapping: torch.Tensor, sampler_output: SamplerOutput) -> None:
         """The next step reads these tokens on the device; the host never needs them to build
@@ -367,5 +334,3 @@ class ModelRunner:
         sampled = sampler_output.sampled_token_ids  # int64 [num_rows]
         self.states.last_sampled_tokens.index_copy_(0, idx_mapping, sampled)  # int64 idx_mapping
         self.sampler.update_after_sampling(idx_mapping, sampled)
-        self.tracer.record("sample", sampled_token_ids=sampled, idx_mapping=idx_mapping,
-                           last_sampled_tokens=self.states.last_sampled_tokens)

@@ -31,6 +31,11 @@ from pagedserve.config import (  # noqa: E402
     SchedulerConfig,
 )
 from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
+from tests.worker.conftest import (  # noqa: E402, F401 (the tiny Llama's fixtures)
+    hf_tiny_llama,
+    make_runner,
+    tiny_llama_dir,
+)
 
 DEEP_LLAMA = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

@@ -25,7 +25,8 @@ def test_runner_sends_one_token_steps_to_the_kernels(tmp_path) -> None:
     LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     torch.set_num_threads(1)
     eager, compiled = _runner(tmp_path / "model", "none"), _runner(tmp_path / "model", "compile")
-    gemv = GemvDecodeForward(compiled.model)
+    gemv = compiled.model.one_token_forward()
+    assert isinstance(gemv, GemvDecodeForward)
     num_tokens = []
 
     def one_token_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

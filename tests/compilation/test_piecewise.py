@@ -16,13 +16,7 @@ from transformers import LlamaForCausalLM
 
 from pagedserve.config import CompilationConfig
 from pagedserve.worker.model_runner import ModelRunner
-from tests.worker.conftest import (  # noqa: F401 (fixtures)
-    TINY_LLAMA,
-    RunnerFactory,
-    hf_tiny_llama,
-    make_runner,
-    tiny_llama_dir,
-)
+from tests.worker.conftest import TINY_LLAMA, RunnerFactory
 from tests.worker.hand_plans import HandScheduler, hf_greedy, random_prompt, run_step
 
 BLOCK_SIZE = 4

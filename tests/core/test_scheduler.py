@@ -183,7 +183,7 @@ def test_abort_frees_everything():
     assert sched.abort_requests(["1", "1"])[0].finish_reason == "abort"
     assert sched.update_from_output(plan, result) == []
     assert sched.kv_cache_manager.usage == 0.0
-    assert not sched.has_unfinished_requests() and sched.has_finished_requests()
+    assert not sched.has_unfinished_requests() and sched.finished_req_ids == {"1"}
     assert sched.schedule().finished_req_ids == {"1"}
     assert plan.finished_req_ids == {"0", "2"}
 

@@ -131,3 +131,21 @@ def test_skip_tokenizer_init(tmp_path):
     assert len(output.outputs[0].token_ids) == 4 and output.outputs[0].text == ""
     with pytest.raises(ValueError, match="^prompt"):
         llm.generate("text needs a tokenizer", GREEDY, use_tqdm=False)
+
+
+def test_step_by_step_equals_generate(tiny):
+    """add_request + step: one engine step per call, the finished outputs as generate's."""
+    llm, _ = tiny
+    prompts = ["The cat", "A much longer prompt about dogs"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with pytest.raises(RuntimeError, match="^step: no requests"):
+        llm.step()
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    assert len(set(ids)) == 2 and llm.has_unfinished_requests()
+    finished, steps = {}, 0
+    while llm.has_unfinished_requests():
+        finished.update({o.request_id: o for o in llm.step()})
+        steps += 1
+    assert steps >= GREEDY.max_tokens
+    assert all(finished[i].finished for i in ids)
+    assert [finished[i].outputs[0].token_ids for i in ids] == want

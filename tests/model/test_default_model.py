@@ -87,3 +87,21 @@ def test_logits_match_transformers_and_greedy_says_paris(
     torch.testing.assert_close(ours, hf_logits, rtol=0, atol=1e-3)
     # Hence the same greedy tokens: each of ours is transformers' argmax at its position.
     assert seq.generated == hf_logits[len(prompt_ids) - 1 :].argmax(-1).tolist()
+
+
+def test_default_model_starts_in_fp32_at_full_context_and_on_a_small_budget(caplog) -> None:
+    """fp32 doubles the KV bytes per token: the default budget still holds the full 8192-token
+    context; a 32 MiB budget shortens the context with one warning instead of failing."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model="SmolLM2-135M-Instruct", dtype="float32")
+    assert llm.engine_core.max_model_len == 8192
+    del llm
+    small = LLM(model="SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="32MiB")
+    lowered = small.engine_core.max_model_len
+    assert 0 < lowered < 8192
+    assert any("max_model_len lowered from 8192" in r.getMessage() for r in caplog.records)
+    [out] = small.generate("The capital of France is", SamplingParams(max_tokens=4,
+                                                                      temperature=0),
+                           use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4

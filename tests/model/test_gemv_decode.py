@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (the kernels run on CPU)
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason  # noqa: E402
+from pagedserve.model.llama import LLAMA_LAYERS, LlamaForCausalLM, LlamaMLP  # noqa: E402
 from pagedserve.model.registry import get_model_class  # noqa: E402
 from tests.model.hf_tiny import CASES, saved_checkpoint  # noqa: E402
 from tests.model.paged_harness import greedy_generate  # noqa: E402
@@ -29,7 +31,8 @@ class OneTokenOnGemv(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.inner = model
-        self.gemv = GemvDecodeForward(model)
+        self.gemv = model.one_token_forward()
+        assert isinstance(self.gemv, GemvDecodeForward)
         self.one_token_steps = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -92,14 +95,43 @@ def test_bf16_logits_stay_close_to_the_model(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("case", "reason"), [
-    ("qwen3", "normalizes q/k"),
+    ("qwen3", "attention Qwen3Attention is not LlamaAttention"),  # its q/k norms
     ("llama_head_dim_bias", "head_dim 24"),
 ])
-def test_unsupported_models_say_why(case: str, reason: str, tmp_path) -> None:
+def test_unsupported_models_say_why(case: str, reason: str, tmp_path,
+                                    caplog: pytest.LogCaptureFixture) -> None:
     ours = _ours(case, tmp_path)
-    assert reason in unsupported_reason(ours)
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        assert ours.one_token_forward() is None
+    assert reason in caplog.text
     with pytest.raises(ValueError, match=reason):
-        GemvDecodeForward(ours)
+        GemvDecodeForward(ours, ours.one_token_layers)
+
+
+class GatedGeluMLP(LlamaMLP):
+    """Another MLP: the fused gate/up kernel applies SiLU, so this one must not reach it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.gelu(gate) * up)
+
+
+class LlamaWithGeluMLP(LlamaForCausalLM):
+    """A Llama subclass that swaps the MLP class and declares nothing new."""
+
+    def __init__(self, hf_config: object, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(hf_config, dtype, device)
+        for layer in self.model.layers:
+            layer.mlp = GatedGeluMLP(hf_config, dtype, device, self.tp)
+
+
+def test_a_subclass_with_another_mlp_gets_no_gemv_forward(tmp_path) -> None:
+    ours = _ours("llama", tmp_path)
+    assert ours.one_token_forward() is not None  # the same weights and shapes fit the kernels
+    other = LlamaWithGeluMLP(ours.config, torch.float32, torch.device("cpu"))
+    assert other.one_token_layers is LLAMA_LAYERS
+    assert other.one_token_forward() is None
+    assert "MLP GatedGeluMLP is not LlamaMLP" in unsupported_reason(other, LLAMA_LAYERS)
 
 
 def test_tensor_parallel_models_are_refused(tmp_path) -> None:
@@ -107,4 +139,5 @@ def test_tensor_parallel_models_are_refused(tmp_path) -> None:
     kernels' epilogue cannot do: such engines keep the compiled forward."""
     ours = _ours("llama", tmp_path)
     ours.tp = dataclasses.replace(ours.tp, size=2, group_name="tp")
-    assert "tensor parallelism" in unsupported_reason(ours)
+    assert "tensor parallelism" in unsupported_reason(ours, ours.one_token_layers)
+    assert ours.one_token_forward() is None

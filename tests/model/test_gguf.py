@@ -102,12 +102,23 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], config, qt
     for name, tensor in state.items():
         value = gguf_tensor(arch, name, tensor.float().numpy(), config)
         tensor_type = qtype if value.ndim == 2 else QType.F32
-        data = gguf.quants.quantize(value, tensor_type)
+        data = quantize(value, tensor_type)
         writer.add_tensor(gguf_name(name), data, raw_dtype=tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantize(value: np.ndarray, qtype: QType) -> np.ndarray:
+    """``gguf.quants.quantize``; for Q8_1, which it cannot write, blocks of random bytes
+    (only ever read back to be refused)."""
+    if qtype != QType.Q8_1:
+        return gguf.quants.quantize(value, qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, row_len = value.shape
+    shape = (rows, row_len // block_size * type_size)
+    return np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
 
 
 def tiny_hf_model(arch: str, tie: bool, seed: int = 0):
@@ -188,14 +199,14 @@ def test_gguf_matches_transformers_gguf_reader(tmp_path: Path) -> None:
 def test_unsupported_gguf_tensor_type_names_file_and_tensor(tmp_path: Path) -> None:
     hf_model = tiny_hf_model("llama", tie=True)
     state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, "llama", state, hf_model.config, QType.Q5_0)
+    path = tmp_path / "q8_1.gguf"
+    write_gguf(path, "llama", state, hf_model.config, QType.Q8_1)
     with pytest.raises(CheckpointError) as err:
         load_model(
             ModelConfig(model=str(path), dtype="float32"), torch.device("cpu"), torch.float32
         )
     message = str(err.value)
-    assert str(path) in message and "Q5_0" in message
+    assert str(path) in message and "Q8_1" in message and "Q4_K" in message  # names supported
     assert "token_embd.weight" in message and "model.embed_tokens.weight" in message
 
 

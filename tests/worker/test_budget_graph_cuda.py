@@ -27,16 +27,16 @@ def _llm(model_dir: Path, **kwargs) -> LLM:  # noqa: ANN003
 def test_a_full_budget_step_replays_the_budget_graph(tiny_llama_dir: Path) -> None:
     llm = _llm(tiny_llama_dir, max_capture_size=64, budget_step_graph=True)
     runner = llm.engine_core.model_runner
-    assert BUDGET in runner.captured_sizes[CudaGraphMode.PIECEWISE]  # 2 prompts of 128
+    assert BUDGET in runner.graphs.captured[CudaGraphMode.PIECEWISE]  # 2 prompts of 128
     modes: list[tuple[int, CudaGraphMode]] = []
-    execution_mode = runner._execution_mode
+    dispatch = runner.graphs.dispatch
 
-    def spy(descriptor):  # noqa: ANN001, ANN202
-        mode = execution_mode(descriptor)
+    def spy(plan):  # noqa: ANN001, ANN202
+        descriptor, mode = dispatch(plan)
         modes.append((descriptor.num_tokens, mode))
-        return mode
+        return descriptor, mode
 
-    runner._execution_mode = spy
+    runner.graphs.dispatch = spy
     generator = torch.Generator().manual_seed(0)
     vocab = TINY_LLAMA["vocab_size"]
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (100, 100, 56)]
@@ -53,6 +53,6 @@ def test_a_full_budget_step_replays_the_budget_graph(tiny_llama_dir: Path) -> No
 
 def test_unset_the_option_follows_the_model_size(tiny_llama_dir: Path) -> None:
     default = _llm(tiny_llama_dir, max_capture_size=64).engine_core.model_runner
-    assert BUDGET in default.captured_sizes[CudaGraphMode.PIECEWISE]  # a tiny model: captured
+    assert BUDGET in default.graphs.captured[CudaGraphMode.PIECEWISE]  # a tiny model: captured
     off = _llm(tiny_llama_dir, max_capture_size=64, budget_step_graph=False)
-    assert BUDGET not in off.engine_core.model_runner.captured_sizes[CudaGraphMode.PIECEWISE]
+    assert BUDGET not in off.engine_core.model_runner.graphs.captured[CudaGraphMode.PIECEWISE]

@@ -107,6 +107,6 @@ def test_a_set_budget_step_graph_overrides_the_shape() -> None:
 def test_the_loaded_model_decides_an_unset_budget_step_graph(make_runner) -> None:  # noqa: ANN001
     runner = make_runner(max_num_batched_tokens=64, max_capture_size=16)
     # The tiny Llama's budget step is far below the threshold; buffers stay as sized.
-    assert runner.capture_ladders.piecewise[-1] == 16
-    assert runner.capture_ladders.exact == [64]
+    assert runner.graphs.ladders.piecewise[-1] == 16
+    assert runner.graphs.ladders.exact == [64]
     assert runner.max_num_tokens == 64

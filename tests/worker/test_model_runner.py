@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 from pagedserve.attention.backends.base import PAD_SLOT_ID
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.tracer import RecordingTracer
+from pagedserve.worker.tracer import RecordingTracer, tracing
 from tests.worker.conftest import TINY_LLAMA, RunnerFactory
 from tests.worker.hand_plans import HandScheduler, hf_greedy, random_prompt, run_step
 
@@ -25,10 +25,10 @@ def test_chunked_prefill_then_decode_matcheshf_greedy(
     make_runner: RunnerFactory, hf_tiny_llama: LlamaForCausalLM
 ) -> None:
     runner = make_runner(block_size=BLOCK_SIZE)
-    runner.tracer = tracer = RecordingTracer()
     a, b = _prompt(11, 1), _prompt(7, 2)
     sched, outputs = HandScheduler(BLOCK_SIZE), {}
-    first = run_step(runner, sched.step(new=[("A", a, 6), ("B", b, 7)]), outputs)
+    with tracing(runner, RecordingTracer()) as tracer:
+        first = run_step(runner, sched.step(new=[("A", a, 6), ("B", b, 7)]), outputs)
     assert first == {"A": [], "B": first["B"]} and len(first["B"]) == 1  # A's chunk is partial
     assert tracer.stops["logits"]["logits"].shape[0] == 1  # no logits for A's partial chunk
     run_step(runner, sched.step(running=[("A", 5), ("B", 1)]), outputs)
@@ -100,9 +100,9 @@ def test_uniform_decode_pads_tokens_to_the_full_descriptor(make_runner: RunnerFa
     sched = HandScheduler(BLOCK_SIZE)
     runner.execute_model(sched.step(new=[(r, _prompt(5, i), 5) for i, r in enumerate("XYZ")]))
     runner.sample_tokens()
-    runner.tracer = tracer = RecordingTracer()
-    runner.execute_model(sched.step(running=[(r, 1) for r in "XYZ"]))
-    runner.sample_tokens()
+    with tracing(runner, RecordingTracer()) as tracer:
+        runner.execute_model(sched.step(running=[(r, 1) for r in "XYZ"]))
+        runner.sample_tokens()
     stops = tracer.stops
     assert stops["batch"]["uniform_decode_len"] == 1
     assert stops["batch"]["descriptor"] == {"mode": "FULL", "num_tokens": 4, "num_reqs": 4}
@@ -116,10 +116,10 @@ def test_mixed_batch_pads_on_the_sparse_piecewise_ladder(make_runner: RunnerFact
     # 70 tokens: FULL would pad to 72, PIECEWISE pads to 128; the buffers hold the larger.
     runner = make_runner(max_num_batched_tokens=70, block_size=BLOCK_SIZE)
     assert runner.max_num_tokens == 128 and runner.buffers.input_ids.shape[0] >= 128
-    runner.tracer = tracer = RecordingTracer()
     sched = HandScheduler(BLOCK_SIZE)
-    runner.execute_model(sched.step(new=[("A", _prompt(69, 1), 69), ("B", [5], 1)]))
-    assert len(runner.sample_tokens().req_ids) == 2
+    with tracing(runner, RecordingTracer()) as tracer:
+        runner.execute_model(sched.step(new=[("A", _prompt(69, 1), 69), ("B", [5], 1)]))
+        assert len(runner.sample_tokens().req_ids) == 2
     stops = tracer.stops
     assert stops["batch"]["descriptor"] == {"mode": "PIECEWISE", "num_tokens": 128,
                                             "num_reqs": None}
@@ -156,3 +156,9 @@ def test_bad_plans_are_refused(make_runner: RunnerFactory) -> None:
     plan.total_num_scheduled_tokens = 3
     with pytest.raises(ValueError, match="total_num_scheduled_tokens"):
         runner.execute_model(plan)
+
+
+def test_kv_cache_auto_dtype_is_the_models(make_runner: RunnerFactory) -> None:
+    runner = make_runner(block_size=BLOCK_SIZE)
+    assert runner.config.cache.kv_cache_dtype == "auto" and runner.dtype == torch.float32
+    assert {cache.dtype for cache in runner.kv_caches.values()} == {torch.float32}

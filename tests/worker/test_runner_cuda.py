@@ -1,5 +1,6 @@
 """The runner on CUDA: Triton input prep and attention, the profile run that sizes the KV
-cache, the side-stream output copy; greedy tokens equal transformers' (fp32)."""
+cache (and captures the PIECEWISE graphs the steps then replay), the side-stream output copy;
+greedy tokens equal transformers' (fp32)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def test_cuda_runner_sizes_its_cache_and_matches_hf_greedy(
     num_blocks = runner.determine_num_blocks()  # profile run; the tiny model hits the cap
     assert num_blocks == kv_cache.max_useful_blocks(8, TINY_LLAMA["max_position_embeddings"],
                                                     BLOCK_SIZE)
+    # Profiling captured every PIECEWISE size its temporary cache holds (16 usable blocks of
+    # 16 tokens: the budget of 256), and probed the FULL graphs without keeping them.
+    assert runner.graphs.captured_sizes() == {"FULL": [],
+                                              "PIECEWISE": [256, 192, 128, 64, 32, 16, 8, 4, 2]}
+    assert runner.graphs.memory.full_estimate is not None
     runner.initialize_kv_cache(num_blocks)
     prompts = {r: random_prompt(n, i, TINY_LLAMA["vocab_size"])
                for i, (r, n) in enumerate((("A", 70), ("B", 23), ("C", 140)))}

@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.attention.backends.base import PAD_SLOT_ID
 from pagedserve.config import default_capture_sizes
-from pagedserve.worker.tracer import RecordingTracer
+from pagedserve.worker.tracer import RecordingTracer, tracing
 from tests.worker.conftest import TINY_LLAMA, build_runner
 from tests.worker.hand_plans import HandScheduler
 
@@ -34,10 +34,10 @@ def seed_trace(tiny_llama_dir: Path) -> dict:
     sched = HandScheduler(BLOCK_SIZE)
     runner.execute_model(sched.step(new=[("R1", prompts["R1"], 540), ("R2", prompts["R2"], 129)]))
     first = runner.sample_tokens()
-    runner.tracer = tracer = RecordingTracer()
-    runner.execute_model(sched.step(new=[("R3", prompts["R3"], 298)],
-                                    running=[("R1", 1), ("R2", 1)]))
-    output = runner.sample_tokens()
+    with tracing(runner, RecordingTracer()) as tracer:
+        runner.execute_model(sched.step(new=[("R3", prompts["R3"], 298)],
+                                        running=[("R1", 1), ("R2", 1)]))
+        output = runner.sample_tokens()
     return {"stops": tracer.stops, "first": first, "output": output, "prompts": prompts,
             "runner": runner}
 

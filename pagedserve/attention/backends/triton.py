@@ -19,12 +19,11 @@ from pagedserve.kernels.rope_kv_write import rope_and_write_kv
 # Programs per streaming multiprocessor the split-KV path aims for (one program per request,
 # kv head and segment).
 _PROGRAMS_PER_SM = 4
-# Key loops, the fastest in benchmarks/attention_sweep.py and then in the engine on the H200
-# (BENCHMARKS.md, sessions 6 and 7). Every decode batch runs the split-KV kernel: with 128-key
-# tiles when it is split or its (request, kv head) pairs exceed the target programs (batch 256
-# at context 1500: 1.00 of the copy bandwidth), with 64-key tiles when one segment per pair
-# leaves SMs short of programs (batch 64 at context 1024: 67 us per layer against 73 for the
-# varlen kernel and 78 for 128-key tiles). Batches with prefill rows run the varlen kernel.
+# Key loops, chosen with benchmarks/attention_sweep.py and then in the engine (docs/gpu.md,
+# "Attention launches"). Every decode batch runs the split-KV kernel: with 128-key tiles when
+# it is split or its (request, kv head) pairs exceed the target programs, with 64-key tiles
+# when one segment per pair leaves SMs short of programs (then shorter tiles keep more
+# programs in flight). Batches with prefill rows run the varlen kernel.
 SPLIT_KV_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
 FEW_PAIRS_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=2)
 PREFILL_LAUNCH = KeyLoopLaunch(num_stages=2)
@@ -91,9 +90,8 @@ class TritonBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
     ) -> torch.Tensor:
-        """One kernel; in the engine's steps on the H200 (Llama-3-8B, per layer) 3.1 us at 256
-        decode tokens and 50 us at 8,192 prompt tokens, against 7.2 and 120 for Inductor's
-        rotation kernels plus the cache-write kernel it replaced (BENCHMARKS.md, session 11)."""
+        """One kernel in place of Inductor's rotation kernels plus a cache-write kernel: each
+        token's q, k, v are read once (figures: docs/gpu.md, "Fused kernels")."""
         return rope_and_write_kv(query, key, value, cos_sin, kv_cache, slot_mapping)
 
     def forward(

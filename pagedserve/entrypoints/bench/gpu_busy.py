@@ -4,7 +4,8 @@ energy counter read before and after; and the exact busy figure from a kernel tr
 (``busy_union_us`` over the profiler's kernel intervals).
 
 The energy matters because the H200 runs at its 700 W power limit through a long decode
-workload: the time of a step is then its energy over 700 W (BENCHMARKS.md, session 12).
+workload: the time of a step is then its energy over 700 W
+(docs/performance.md#the-power-limit-and-the-power-floor).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class GpuBusySampler:
 
     def measure(self, fn: Callable[[], T]) -> T:
         thread = threading.Thread(target=self._run, daemon=True)
-        energy_start = self.read_energy_j() if self.read_energy_j else None
+        read_energy_j = self.read_energy_j
+        energy_start = read_energy_j() if read_energy_j else None
         start = time.perf_counter()
         thread.start()
         try:
@@ -78,8 +80,8 @@ class GpuBusySampler:
             self._stop.set()
             thread.join()
             self.wall_s = time.perf_counter() - start
-            if energy_start is not None:
-                self.energy_j = self.read_energy_j() - energy_start
+            if read_energy_j and energy_start is not None:
+                self.energy_j = read_energy_j() - energy_start
 
     @property
     def busy_fraction(self) -> float | None:

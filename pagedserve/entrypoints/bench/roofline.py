@@ -98,6 +98,6 @@ def throughput_roofline(
     flops += n * shape.attention_flops(i * (i + 1) / 2) + n * shape.attention_flops(context_sum)
     decode_steps = math.ceil(n / max(1, max_batch)) * decode_tokens_per_req
     prefill_passes = math.ceil(n * i / max(1, max_batched_tokens))
-    bytes_read = (decode_steps + prefill_passes) * shape.weight_bytes
+    bytes_read: float = (decode_steps + prefill_passes) * shape.weight_bytes
     bytes_read += n * (i + context_sum) * shape.kv_bytes_per_token  # prefill writes + decode reads
     return ceil.time(flops, bytes_read)

@@ -20,7 +20,12 @@ from typing import Any
 import httpx
 
 from pagedserve.entrypoints.bench.serve_client import ENDPOINT_PATHS, request_body, send_request
-from pagedserve.entrypoints.bench.serve_dataset import PROMPT_KINDS, SampleRequest, sample_requests
+from pagedserve.entrypoints.bench.serve_dataset import (
+    PROMPT_KINDS,
+    PromptKind,
+    SampleRequest,
+    sample_requests,
+)
 from pagedserve.entrypoints.bench.serve_metrics import format_summary, parse_percentiles, summarize
 from pagedserve.entrypoints.bench.serve_report import write_json, write_plot
 from pagedserve.entrypoints.bench.serve_run import run_load
@@ -113,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    prompt_kind = args.prompt_kind or ("token-ids" if args.endpoint == "completions" else "text")
+    prompt_kind: PromptKind = args.prompt_kind or ("token-ids" if args.endpoint == "completions" else "text")
     if args.endpoint == "chat" and prompt_kind == "token-ids":
         raise ValueError("prompt_kind: the chat API takes text prompts (--prompt-kind text)")
     with httpx.Client(base_url=base_url, headers=headers, timeout=60) as http:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
-CONNECTION_CLOSE_TIMEOUT_S = 2.0
+CONNECTION_CLOSE_TIMEOUT_S = 2  # whole seconds: uvicorn's timeout_graceful_shutdown is an int
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -47,7 +47,9 @@ from pagedserve.entrypoints.openai.web import add_web_routes
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 503)
+}
 _HEALTH_CODES = {
     EngineState.STARTING: "engine_starting",
     EngineState.DRAINING: "server_shutting_down",

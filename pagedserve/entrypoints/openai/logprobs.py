@@ -3,6 +3,7 @@ in the two OpenAI formats: the legacy completions lists and chat's ``content`` e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.entrypoints.openai.responses import CompletionLogprobs, TokenLogprob, TopLogprob
@@ -27,7 +28,7 @@ def _token_text(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
 def append_completion_logprobs(
     out: CompletionLogprobs,
     token_ids: list[int],
-    positions: list[Position],
+    positions: Sequence[Position],
     tokenizer: Any,
     text_offset: int,
 ) -> int:
@@ -59,7 +60,7 @@ def _top_logprob(token_id: int, lp: Logprob, tokenizer: Any) -> TopLogprob:
 
 
 def chat_logprobs(
-    token_ids: list[int], positions: list[Position], top_n: int, tokenizer: Any
+    token_ids: list[int], positions: Sequence[Position], top_n: int, tokenizer: Any
 ) -> list[TokenLogprob]:
     """One chat ``content`` entry per sampled token, with the ``top_n`` most likely tokens.
 
@@ -71,10 +72,12 @@ def chat_logprobs(
         if position is None or token_id not in position:
             continue
         sampled = _top_logprob(token_id, position[token_id], tokenizer)
-        ranked = sorted(
-            ((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= top_n),
-            key=lambda item: item[1].rank,
-        )
-        tops = [_top_logprob(tid, lp, tokenizer) for tid, lp in ranked]
+        ranked = [
+            (lp.rank, tid, lp)
+            for tid, lp in position.items()
+            if lp.rank is not None and lp.rank <= top_n
+        ]
+        ranked.sort(key=lambda item: item[0])
+        tops = [_top_logprob(tid, lp, tokenizer) for _, tid, lp in ranked]
         entries.append(TokenLogprob(**sampled.model_dump(), top_logprobs=tops))
     return entries

@@ -150,8 +150,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if isinstance(self.prompt[0], int):
-            return [list(self.prompt)]  # type: ignore[arg-type]
-        return list(self.prompt)  # type: ignore[arg-type]
+            return [list(self.prompt)]
+        return list(self.prompt)
 
     def to_sampling_params(self) -> SamplingParams:
         # echo with logprobs also reports the prompt tokens' logprobs, as the legacy API does.

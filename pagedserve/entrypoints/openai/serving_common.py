@@ -85,7 +85,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
         param = param_from_message(message)
-        return bad_request(message, param=_API_FIELDS.get(param, param), code=code)
+        field = None if param is None else _API_FIELDS.get(param, param)
+        return bad_request(message, param=field, code=code)
     return None
 
 

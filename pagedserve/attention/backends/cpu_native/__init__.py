@@ -2,10 +2,9 @@
 compiler and called through ``ctypes``.
 
 Why native: on the CPU, torch has no attention op that reads a paged cache, so the torch
-reference gathers every decoding request's blocks into a padded copy and runs SDPA on it:
-~1.7 ms per layer for 64 requests at context ~190 on one core, mostly gather and per-call
-overhead, while the keys and values themselves (~9 MB) take a fraction of that to read.
-The kernel reads them in place through the block table.
+reference gathers every decoding request's blocks into a padded copy and runs SDPA on it, and
+its time goes to the gather and per-call overhead rather than to reading the keys and values.
+The kernel reads them in place through the block table (docs/cpu.md#c-decode-kernel).
 
 Built on first use into ``default_cache_dir() / "cpu_kernels"`` (about a second), named by a
 hash of the source, the compiler flags, the compiler and this CPU's feature flags
@@ -14,8 +13,8 @@ caller gets ``None`` and keeps the torch path (the reason is logged once).
 
 Threads: the kernel is OpenMP code linked against ``libgomp.so.1``; in a torch process that
 soname resolves to the libgomp torch already loaded, so the kernel runs on torch's intra-op
-threads (measured with 2 threads between torch matmuls: 0.51 ms a call, against 1.35 ms with
-threads of its own that competed with torch's spinning workers).
+threads; threads of its own would compete with torch's spinning workers
+(docs/cpu.md#c-decode-kernel).
 """
 
 from __future__ import annotations
