@@ -18,13 +18,10 @@ import numpy as np
 import torch
 
 from pagedserve.core.sched_output import BlockIds
+from pagedserve.math_utils import cdiv
 from pagedserve.worker.ops import InputPrepOps
 from pagedserve.worker.prefix_views import PrefixViews
 from pagedserve.worker.staging import StagedArray, StagingBuffer
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def single_group(block_ids: BlockIds, req_id: str) -> list[int]:

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 from pagedserve.compilation.cuda_graph import GraphPool
 from pagedserve.compilation.phase_log import log_phase
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.math_utils import cdiv
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.block_table import cdiv
 from pagedserve.worker.cudagraph import CudaGraphMode
 from pagedserve.worker.kv_cache import used_device_bytes
 

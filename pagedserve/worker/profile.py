@@ -28,8 +28,8 @@ import torch
 
 from pagedserve.compilation.phase_log import log_phase
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.math_utils import cdiv
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.block_table import cdiv
 from pagedserve.worker.graph_capture import capture_before_kv_cache
 from pagedserve.worker.kv_cache import MemoryProfile, used_device_bytes
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.math_utils import round_up
+
 _ALIGN = 64  # bytes; every array starts at a multiple (any dtype view is aligned)
 
 
@@ -46,7 +48,7 @@ class StagingBuffer:
         for a in arrays:
             end = offset + a.numel * a.dtype.itemsize
             spans[a.name] = (offset, end)
-            offset = -(-end // _ALIGN) * _ALIGN
+            offset = round_up(end, _ALIGN)
         self.nbytes = max(offset, _ALIGN)
         pinned = device.type == "cuda"
         self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
