@@ -1,8 +1,9 @@
 """One step's batch: its order and host-side facts (``BatchPlan``), the persistent input buffers
 (``InputBuffers``) and the views of them one step uses (``InputBatch``).
 
-Stop 2 orders the batch (decodes first, then the others by size) and maps each batch row to its
-slot; stop 3 fills the buffers on the device. Only the per-row arrays the host knows
+Step 2 orders the batch (decodes first, then the others by size) and maps each batch row to its
+slot (docs/architecture.md#step-2-order-the-batch); step 3 fills the buffers on the device
+(docs/architecture.md#step-3-prepare-inputs). Only the per-row arrays the host knows
 (``idx_mapping``, ``query_start_loc``, ``logits_indices`` and the rows to sample) travel from the
 host, in the step's one staging copy; everything else is computed by the input-prep ops from
 the per-slot state on the device.
