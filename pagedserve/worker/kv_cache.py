@@ -25,7 +25,7 @@ import torch
 
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import log_phase
-from pagedserve.worker.block_table import cdiv
+from pagedserve.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
