@@ -2,7 +2,7 @@
 and one fused noise-and-argmax pass. Same results as ``TorchTokenSampler`` (see
 ``pagedserve/kernels/sampling_*.py`` for where exactly, and the top-p rounding caveat).
 
-The kernels read per-slot parameters straight from the ``SamplingStates`` device buffers through
+The kernels read per-slot parameters straight from the ``SamplingStates`` device columns through
 idx_mapping and read the logits in their own dtype, so a step adds no gathers and no fp32 copy
 of the logits.
 """
@@ -27,12 +27,12 @@ _PROGRAMS_PER_SM = 2  # the noise pass splits rows until about this many program
 
 def slot_params(states: SamplingStates) -> SlotParams:
     return SlotParams(
-        temperature=states.temperature.dev,
-        greedy=states.greedy.dev,
-        top_k=states.top_k.dev,
-        top_p=states.top_p.dev,
-        min_p=states.min_p.dev,
-        seeds=states.seeds.dev,
+        temperature=states.temperature,
+        greedy=states.greedy,
+        top_k=states.top_k,
+        top_p=states.top_p,
+        min_p=states.min_p,
+        seeds=states.seeds,
         counters=states.num_output_tokens,
     )
 

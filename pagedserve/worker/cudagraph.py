@@ -75,10 +75,10 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.math_utils import cdiv
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.block_table import cdiv
 from pagedserve.worker.kv_cache import used_device_bytes
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ import torch
 
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import log_phase
+from pagedserve.math_utils import cdiv
 from pagedserve.platform import platform_for
-from pagedserve.worker.block_table import cdiv
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from pagedserve.worker.input_batch import (
 from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
-from pagedserve.worker.states import NO_LOGPROBS, RequestStates
+from pagedserve.worker.states import RequestStates
 
 
 @dataclass
@@ -107,21 +107,21 @@ class ModelRunner:
         self.graphs = CudaGraphManager(self.config, ModelShape.from_hf_config(self.hf_config),
                                        self.max_model_len, self.device)
         self.layer_names = list(self.attn_layers)
-        # Every array the host writes for the device each step, in one buffer: one copy.
+        # Every array the host writes for the device each step (the sampling parameters
+        # included), in one buffer: one copy.
         self.staging = StagingBuffer(
             RequestStates.staged_arrays(self.max_num_reqs)
             + InputBuffers.staged_arrays(self.max_num_reqs_padded)
             + BlockTables.staged_arrays(self.max_num_reqs, self.max_num_tokens, self.block_size),
             self.device)
-        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device,
-                                    self.staging)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.vocab_size,
+                                    self.device, self.config.model.seed, self.staging)
         self.block_tables = BlockTables(self.max_num_reqs, self.max_model_len,
                                         self.max_num_tokens, self.block_size, self.device,
                                         self.ops, self.staging)
         self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device,
                                     self.staging)
-        self.sampler = Sampler(self.max_num_reqs, self.vocab_size, self.device,
-                               seed=self.config.model.seed)
+        self.sampler = Sampler(self.states.sampling)
         self.forward_fn = self.model
         compilation = self.config.compilation
         if compilation.uses_compile(self.platform):
@@ -192,9 +192,7 @@ class ModelRunner:
     # ---- step 1: the plan (docs/architecture.md#step-1-apply-the-plan) --------------------
 
     def _remove_request(self, req_id: str) -> None:
-        slot = self.states.remove_request(req_id)
-        if slot is not None:
-            self.sampler.remove_request(slot)
+        self.states.remove_request(req_id)
 
     def _add_request(self, new: NewRequestData) -> None:
         slot = self.states.add_request(new.req_id, new.prefill_token_ids, new.num_prompt_tokens,
@@ -296,8 +294,7 @@ class ModelRunner:
             sampler_output = self._sample(state.hidden_states, batch.sample_logits_indices,
                                           idx_mapping, idx_mapping_np)
             if sampler_output.logprobs is not None:
-                num_logprobs = [None if k == NO_LOGPROBS else k
-                                for k in self.states.num_logprobs_np[idx_mapping_np].tolist()]
+                num_logprobs = self.states.sampling.num_logprobs(idx_mapping_np)
         prompt_plan = None
         if (self.states.num_prompt_logprobs_reqs
                 and self.states.wants_prompt_logprobs_np[batch.idx_mapping_np].any()):
