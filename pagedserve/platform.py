@@ -222,20 +222,24 @@ class Platform(abc.ABC):
     """Default of ``SchedulerConfig.async_scheduling``: plan step N+1 while the device runs N."""
     kv_budget_from_memory: ClassVar[bool]
     """The KV cache takes what profiling leaves of the card (``gpu_memory_utilization``);
-    else ``CacheConfig.kv_cache_memory`` sizes it."""
+    else the host budget ``CacheConfig.kv_cache_memory`` sizes it, known before loading, so
+    a context that does not fit is shortened (``docs/architecture.md#cpu-path``)."""
     dist_backend: ClassVar[str]
     """torch.distributed backend of the tensor-parallel group."""
 
     # ---- the device's ops (start-up) ----
 
     @abc.abstractmethod
-    def input_prep_ops(self) -> InputPrepOps: ...
+    def input_prep_ops(self) -> InputPrepOps:
+        """The step's input-prep ops (``docs/architecture.md#step-3-prepare-inputs``)."""
 
     @abc.abstractmethod
-    def attention_backend(self) -> AttentionBackend: ...
+    def attention_backend(self) -> AttentionBackend:
+        """The paged-attention implementation every attention layer calls."""
 
     @abc.abstractmethod
-    def token_sampler(self, vocab_size: int) -> TokenSampler: ...
+    def token_sampler(self, vocab_size: int) -> TokenSampler:
+        """Token selection of the sampler (``docs/architecture.md#step-7-logits-and-sampling``)."""
 
     @abc.abstractmethod
     def has_triton_kernels(self) -> bool:
