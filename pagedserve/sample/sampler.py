@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.platform import platform_for
 from pagedserve.sample.logit_bias import LogitBiasTables, min_tokens_stop_ids
 from pagedserve.sample.logprob import LogprobsTensors, compute_topk_logprobs
 from pagedserve.sample.penalties import PenaltyHistories
 from pagedserve.sample.states import NO_LOGPROBS, SamplingStates, uses_penalties
-from pagedserve.sample.token_sampler import make_token_sampler
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -60,8 +60,8 @@ class Sampler:
         self.device = states.device
         self.penalties = PenaltyHistories(self.max_num_reqs, self.vocab_size, self.device)
         self.logit_bias = LogitBiasTables(self.max_num_reqs, self.device)
-        # torch ops on the CPU, Triton kernels on CUDA; tests and benchmarks may swap it.
-        self.token_sampler = make_token_sampler(self.vocab_size, self.device)
+        # The platform's: torch ops on the CPU, Triton kernels on CUDA; tests may swap it.
+        self.token_sampler = platform_for(self.device).token_sampler(self.vocab_size)
 
     def add_request(
         self,

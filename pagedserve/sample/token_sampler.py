@@ -3,7 +3,7 @@
 Two implementations with one interface. ``TorchTokenSampler`` is the reference, built from torch
 ops (the CPU path, and the oracle the tests hold the fast path to). ``TritonTokenSampler``
 (``triton_token_sampler.py``) does the same on CUDA in two kernels without sorting the
-vocabulary. ``make_token_sampler`` is the only place that picks one.
+vocabulary. The platform picks one (``Platform.token_sampler``).
 
 Steps, per row: greedy rows (temperature < 1e-5) take the argmax; the others divide by
 temperature (fp32), apply min-p, top-k and top-p, then race argmax(x + g) with Gumbel noise g
@@ -86,12 +86,3 @@ class TorchTokenSampler:
             sampled = torch.where(states.greedy[idx_mapping], greedy_ids, sampled)
         return sampled
 
-
-def make_token_sampler(vocab_size: int, device: torch.device) -> TokenSampler:
-    """The Triton kernels on CUDA, the torch reference everywhere else."""
-    if device.type == "cuda":
-        # Imported here: triton is a GPU-only dependency.
-        from pagedserve.sample.triton_token_sampler import TritonTokenSampler
-
-        return TritonTokenSampler(vocab_size, device)
-    return TorchTokenSampler(vocab_size, device)

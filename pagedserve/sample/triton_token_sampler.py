@@ -15,6 +15,7 @@ import torch
 from pagedserve.kernels.sampling_common import SlotParams
 from pagedserve.kernels.sampling_gumbel import NoiseHash, gumbel_sample, num_splits_for
 from pagedserve.kernels.sampling_truncation import DEFAULT_BUFFER_SIZE, truncation_cuts
+from pagedserve.platform import platform_for
 from pagedserve.sample.noise import HASH_MUL, SEED_SALT, UNIFORM_BITS, VOCAB_SALT
 from pagedserve.sample.states import SamplingStates
 
@@ -36,19 +37,13 @@ def slot_params(states: SamplingStates) -> SlotParams:
     )
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the CPU interpreter (tests)
-
-
 class TritonTokenSampler:
     def __init__(
         self, vocab_size: int, device: torch.device, buffer_size: int = DEFAULT_BUFFER_SIZE
     ) -> None:
         self.vocab_size = vocab_size
         self.buffer_size = buffer_size  # per-row scratch of the truncation search
-        self.target_programs = _PROGRAMS_PER_SM * _num_sms(device)
+        self.target_programs = _PROGRAMS_PER_SM * platform_for(device).multiprocessor_count()
 
     def sample(
         self,

@@ -29,15 +29,11 @@ from pagedserve.core.sched_output import (
 )
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
-from pagedserve.platform import resolve_dtype
+from pagedserve.platform import platform_for, resolve_dtype
 from pagedserve.sample import Sampler, SamplerOutput
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput
-from pagedserve.worker.attn_utils import (
-    build_attn_metadata,
-    make_forward_context,
-    select_attention_backend,
-)
+from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
 from pagedserve.worker.block_table import BlockTables, single_group
 from pagedserve.worker.cudagraph import CudaGraphManager, padded_buffer_sizes
 from pagedserve.worker.input_batch import (
@@ -47,7 +43,6 @@ from pagedserve.worker.input_batch import (
     prepare_inputs,
     stage_batch,
 )
-from pagedserve.worker.ops import select_input_prep_ops
 from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
@@ -79,9 +74,11 @@ class ModelRunner:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
         self.max_num_tokens, self.max_num_reqs_padded = padded_buffer_sizes(config)
-        self.ops = select_input_prep_ops(device)
-        self.attn_backend = select_attention_backend(device)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The device's implementations, chosen once here; no step branches on the device.
+        self.platform = platform_for(device)
+        self.ops = self.platform.input_prep_ops()
+        self.attn_backend = self.platform.attention_backend()
+        self.copy_stream = self.platform.new_stream()
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
@@ -94,17 +91,16 @@ class ModelRunner:
     def load_model(self) -> None:
         """Load the weights, then size every per-request buffer from the model's context."""
         # Card memory in use before this engine (CUDA context, other engines): not its budget.
-        on_cuda = self.device.type == "cuda"
-        self.memory_baseline = kv_cache.used_device_bytes(self.device) if on_cuda else 0
-        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.memory_baseline = (kv_cache.used_device_bytes(self.device)
+                                if self.platform.kv_budget_from_memory else 0)
+        before = self.platform.memory_allocated()
         self.model, self.hf_config = load_model(self.config.model, self.device, self.dtype)
-        if self.device.type == "cuda":
-            self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.weights_bytes = self.platform.memory_allocated() - before
         self.max_model_len = get_max_model_len(self.config.model, self.hf_config)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
-        if self.device.type != "cuda":
+        if not self.platform.kv_budget_from_memory:
             self.max_model_len = self._fit_cpu_context(self.max_model_len)
         # The model's shape decides an unset budget_step_graph (the buffers' sizes do not
         # depend on it: see padded_buffer_sizes).
@@ -128,7 +124,7 @@ class ModelRunner:
         self.sampler = Sampler(self.states.sampling)
         self.forward_fn = self.model
         compilation = self.config.compilation
-        if compilation.uses_compile(self.device.type):
+        if compilation.uses_compile(self.platform):
             self.compiled_forward = CompiledForward(
                 self.model, compilation.piece_compiler, self.graphs.pool,
                 one_token_forward=self._one_token_forward())
@@ -138,7 +134,8 @@ class ModelRunner:
         """The model's own forward for one-token steps, where configured and the model has one
         (CUDA: the fused GEMV kernels are Triton's; on the CPU the compiled forward serves
         every step)."""
-        if self.config.compilation.one_token_step != "gemv" or self.device.type != "cuda":
+        if (self.config.compilation.one_token_step != "gemv"
+                or not self.platform.has_triton_kernels()):
             return None
         declared = getattr(self.model, "one_token_forward", None)  # a model capability
         return None if declared is None else declared()
@@ -164,7 +161,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if self.device.type == "cuda":
+        if self.platform.kv_budget_from_memory:
             step = profile_step(self.max_num_batched_tokens, self.max_num_reqs,
                                 self.max_model_len, self.block_size)
             profiler = MemoryProfiler(self.device, step, self.memory_baseline, self.weights_bytes)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedserve.math_utils import round_up
+from pagedserve.platform import platform_for
 
 _ALIGN = 64  # bytes; every array starts at a multiple (any dtype view is aligned)
 
@@ -34,7 +35,7 @@ def _pinned(values: np.ndarray | list, dtype: torch.dtype, device: torch.device)
     pageable memory may wait for the device; the caching host allocator keeps a pinned block
     alive until the copy queued from it has run, so the caller may reuse its data at once)."""
     src = torch.as_tensor(values, dtype=dtype)
-    return src.pin_memory() if device.type == "cuda" else src
+    return src.pin_memory() if platform_for(device).pin_memory else src
 
 
 def host_to_device(
@@ -75,8 +76,9 @@ class StagingBuffer:
             spans[a.name] = (offset, end)
             offset = round_up(end, _ALIGN)
         self.nbytes = max(offset, _ALIGN)
-        pinned = device.type == "cuda"
-        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        platform = platform_for(device)
+        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8,
+                                      pin_memory=platform.pin_memory)
         self.device_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.host: dict[str, np.ndarray] = {}
         self.device_views: dict[str, torch.Tensor] = {}
@@ -84,7 +86,7 @@ class StagingBuffer:
             start, end = spans[a.name]
             self.host[a.name] = self.host_bytes[start:end].view(a.dtype).numpy()
             self.device_views[a.name] = self.device_bytes[start:end].view(a.dtype)
-        self._copied = torch.cuda.Event() if pinned else None
+        self._copied = platform.new_event()  # None where copies are synchronous
         self._copy_pending = False
 
     def wait_for_copy(self) -> None:

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.platform import torch_input_prep_ops
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.block_table import BlockTables
-from pagedserve.worker.ops import TORCH_OPS
 from pagedserve.worker.states import RequestStates
 
 CPU = torch.device("cpu")
@@ -88,7 +88,7 @@ def test_sampling_columns_travel_with_the_counts_in_one_copy() -> None:
 
 def _tables() -> BlockTables:
     return BlockTables(max_num_reqs=4, max_model_len=32, max_num_tokens=16, block_size=4,
-                       device=CPU, ops=TORCH_OPS)
+                       device=CPU, ops=torch_input_prep_ops())
 
 
 def _apply(tables: BlockTables) -> None:
