@@ -47,7 +47,8 @@ def _check_fields(config: object) -> None:
     """Every bool, int, float and str field of ``config`` holds one (or None where the field
     allows it), and every ``Literal`` field one of its values."""
     check_field_types(config)
-    for name, (allowed, optional) in _literal_fields(type(config)).items():
+    config_cls: type = type(config)
+    for name, (allowed, optional) in _literal_fields(config_cls).items():
         value = getattr(config, name)
         require(
             value in allowed or (optional and value is None),

@@ -60,7 +60,9 @@ class ExecuteModelState:
 
 def _first_eos(hf_config: object) -> int | None:
     eos = getattr(hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list | tuple) and eos else eos
+    if isinstance(eos, list | tuple):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
 
 
 class ModelRunner:
@@ -122,7 +124,9 @@ class ModelRunner:
         self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device,
                                     self.staging)
         self.sampler = Sampler(self.states.sampling)
-        self.forward_fn = self.model
+        # hidden states [num_rows, H] -> logits [num_rows, V] (the LM head)
+        self.compute_logits: Callable[[torch.Tensor], torch.Tensor] = self.model.compute_logits
+        self.forward_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         compilation = self.config.compilation
         if compilation.uses_compile(self.platform):
             self.compiled_forward = CompiledForward(
@@ -305,7 +309,7 @@ class ModelRunner:
             num_logprobs=num_logprobs,
             sampler_output=sampler_output,
             prompt_logprobs=None if prompt_plan is None else compute_batch_prompt_logprobs(
-                prompt_plan, state.hidden_states, self.model.compute_logits,
+                prompt_plan, state.hidden_states, self.compute_logits,
                 self.states.all_token_ids),
             prompt_spans=[] if prompt_plan is None else prompt_plan.spans,
             copy_stream=self.copy_stream,
@@ -323,7 +327,7 @@ class ModelRunner:
     def _compute_logits(self, hidden_states: torch.Tensor,
                         logits_indices: torch.Tensor) -> torch.Tensor:
         sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
-        return self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
+        return self.compute_logits(sample_hidden_states)  # [num_rows, V]
 
     def _postprocess(self, idx_mapping: torch.Tensor, sampler_output: SamplerOutput) -> None:
         """The next step reads these tokens on the device; the host never needs them to build
