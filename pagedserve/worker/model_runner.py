@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -125,7 +126,8 @@ class ModelRunner:
                                     self.staging)
         self.sampler = Sampler(self.states.sampling)
         # hidden states [num_rows, H] -> logits [num_rows, V] (the LM head)
-        self.compute_logits: Callable[[torch.Tensor], torch.Tensor] = self.model.compute_logits
+        self.compute_logits = cast(Callable[[torch.Tensor], torch.Tensor],
+                                   self.model.compute_logits)
         self.forward_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         compilation = self.config.compilation
         if compilation.uses_compile(self.platform):
