@@ -33,6 +33,7 @@ from pagedserve.engine.input_processor import (
     PromptType,
 )
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.entrypoints.deferred_interrupt import DeferredInterrupt
 from pagedserve.model.resolve import locate
 from pagedserve.model.tokenizer import get_tokenizer
 from pagedserve.outputs import RequestOutput, RequestOutputKind
@@ -118,9 +119,15 @@ class LLM:
             self.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
             for p, sp in zip(prompt_list, params_list, strict=True)
         ]
-        for request in processed:
-            self._add(request, RequestOutputKind.FINAL_ONLY)
-        return self._run_to_completion([r.request_id for r in processed], use_tqdm)
+        request_ids = [r.request_id for r in processed]
+        # An exception (Ctrl-C included) anywhere below aborts this call's requests, so their
+        # blocks return to the pool and the next call starts from an idle engine.
+        try:
+            for request in processed:
+                self._add(request, RequestOutputKind.FINAL_ONLY)
+            return self._run_to_completion(request_ids, use_tqdm)
+        finally:
+            self._abort(request_ids)
 
     def chat(
         self,
@@ -157,8 +164,7 @@ class LLM:
             while self.output_processor.has_unfinished_requests():
                 yield from self._step()
         finally:
-            child_ids = self.output_processor.abort_requests([processed.request_id])
-            self.engine_core.abort_requests(child_ids)
+            self._abort([processed.request_id])
 
     # -- the engine loop -----------------------------------------------------------------------
 
@@ -166,6 +172,11 @@ class LLM:
         self.output_processor.add_request(processed, output_kind)
         for request in processed.requests:
             self.engine_core.add_request(request)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort the unfinished ones of ``request_ids`` (finished or unknown ids are ignored)."""
+        child_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(child_ids)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step; finishes in the core the requests a stop string ended."""
@@ -180,9 +191,14 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         num_output_tokens = 0
         start = time.perf_counter()
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with (
+            tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar,
+            DeferredInterrupt() as interrupt,
+        ):
             while self.output_processor.has_unfinished_requests():
-                for output in self._step():
+                with interrupt.step():
+                    outputs = self._step()
+                for output in outputs:
                     if not output.finished:
                         continue
                     finished[output.request_id] = output
