@@ -20,6 +20,13 @@ import uvicorn
 from pagedserve.config import ModelConfig
 from pagedserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.entrypoints.openai.http_guards import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    MAX_HEADER_BYTES,
+    guarded_h11_protocol,
+)
+from pagedserve.entrypoints.openai.request_limits import RequestLimits
 
 if TYPE_CHECKING:
     from pagedserve.engine.async_llm import AsyncLLM
@@ -29,6 +36,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+DEFAULT_MAX_CONNECTIONS = 512
 CONNECTION_CLOSE_TIMEOUT_S = 2.0
 
 
@@ -69,6 +77,57 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies are answered 413 before they are parsed "
         f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
     )
+    _add_request_limit_args(group)
+    _add_connection_args(group)
+    group.add_argument(
+        "--parse-special-tokens-in-content",
+        action="store_true",
+        help="tokenize control tokens written in chat message content (<|im_end|>, ...) as "
+        "control tokens, as the template's own are; by default they are plain text, so a "
+        "message cannot forge a turn of another role",
+    )
+
+
+def _add_connection_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="close a connection that has not sent a complete request line and headers this "
+        "many seconds after connecting or after its previous response "
+        f"(default: {DEFAULT_HEADER_TIMEOUT_S})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 and close the connection when a request body stalls this many "
+        f"seconds between two chunks (default: {DEFAULT_BODY_TIMEOUT_S})",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="past this many open connections (or requests in progress), a new request is "
+        f"answered 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+
+
+def _add_request_limit_args(group: argparse._ArgumentGroup) -> None:
+    """Per-request cost caps (``RequestLimits``): past one, a request is answered 400."""
+    limits = RequestLimits()
+    for option, dest, what in (
+        ("--max-n", "max_n", "completions per prompt (n)"),
+        ("--max-prompts-per-request", "max_prompts", "prompts in one completions request"),
+        ("--max-completions-per-request", "max_completions",
+         "engine requests one request becomes (prompts x n)"),
+        ("--max-logprobs", "max_logprobs", "logprobs / top_logprobs per token"),
+    ):
+        default = getattr(limits, dest)
+        group.add_argument(
+            option, dest=dest, type=_positive_int, default=default,
+            help=f"at most this many {what}; more is answered 400 (default: {default})",
+        )
 
 
 def _positive_float(text: str) -> float:
@@ -145,7 +204,14 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = get_tokenizer(config.model)
     name = config.model.served_model_name or config.model.model
     metrics = ServerMetrics(name)
-    engine = AsyncLLM(config, tokenizer, resolved.path, EngineCore, observer=metrics)
+    engine = AsyncLLM(
+        config,
+        tokenizer,
+        resolved.path,
+        EngineCore,
+        observer=metrics,
+        parse_special_tokens_in_content=args.parse_special_tokens_in_content,
+    )
 
     server: _Server | None = None
 
@@ -158,6 +224,9 @@ def main(args: argparse.Namespace) -> int:
         model_root=config.model.model,
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
+        limits=RequestLimits(args.max_n, args.max_prompts, args.max_completions,
+                             args.max_logprobs),
+        body_timeout=args.body_timeout,
         on_fatal=on_fatal,
     )
     app = build_app(engine, metrics, settings)
@@ -168,6 +237,9 @@ def main(args: argparse.Namespace) -> int:
         log_level=getattr(args, "log_level", "warning"),
         # After the drain every response has ended: this only lets the last bytes out.
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,
+        http=guarded_h11_protocol(args.header_timeout),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        limit_concurrency=args.max_connections,
     )
     server = _Server(uv_config, engine, args.shutdown_timeout)
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at
