@@ -49,6 +49,8 @@ TOKENIZER_THREADS = 1
 """Threads that tokenize long text and apply chat templates, off the event loop (the tokenizer
 releases the GIL while it encodes, so a long prompt does not stall the other requests). One:
 the engine and the event loop keep the other cores."""
+WATCHDOG_MAX_PERIOD_S = 1.0
+"""The output loop looks at least this often whether the engine is still making progress."""
 INLINE_TEXT_CHARS = 4096
 """Prompts up to this many characters are tokenized on the event loop: quicker than a thread
 hop, and they never queue behind a long prompt."""
@@ -86,6 +88,10 @@ class StatsObserver(Protocol):
 
     def on_request_finished(self, e2e: float) -> None: ...
 
+    def on_engine_dead(self) -> None:
+        """The engine process is gone: nothing runs, no KV block is held."""
+        ...
+
 
 class AsyncLLM:
     def __init__(
@@ -96,8 +102,13 @@ class AsyncLLM:
         core_factory: Callable[[EngineConfig], Any],
         observer: StatsObserver | None = None,
         parse_special_tokens_in_content: bool = False,
+        engine_timeout: float | None = None,
     ) -> None:
         self.config = config
+        self.engine_timeout = engine_timeout
+        """Seconds the engine may go without a step while requests are in flight before it
+        is declared hung (killed, requests failed); None: never."""
+        self._last_progress = time.monotonic()
         self.parse_special_tokens_in_content = parse_special_tokens_in_content
         self.tokenizer = tokenizer
         self.model_path = model_path
@@ -268,6 +279,8 @@ class AsyncLLM:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout: must be positive, got {timeout}")
         stream = RequestStream(self, processed, timeout)
+        if not self._streams:
+            self._last_progress = time.monotonic()  # an idle engine owed no step until now
         self.output_processor.add_request(processed, output_kind)
         self._streams[processed.request_id] = stream
         self._stream_of_child.update(dict.fromkeys(stream.child_ids, stream))
@@ -330,7 +343,8 @@ class AsyncLLM:
         assert self._client is not None
         try:
             while True:
-                step = await self._client.get_output()
+                step = await self._next_step()
+                self._last_progress = time.monotonic()
                 await self._handle_step(step)
         except EngineDeadError as e:
             if self.state is EngineState.READY:
@@ -339,6 +353,33 @@ class AsyncLLM:
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("output loop failed")
             self._mark_dead(f"output loop failed: {e!r}")
+
+    async def _next_step(self) -> StepResult:
+        """The engine's next step; ``EngineDeadError`` if it exits or, with requests in
+        flight, sends no step for ``engine_timeout`` s (the process is then killed)."""
+        assert self._client is not None
+        receive = asyncio.ensure_future(self._client.get_output())
+        # If this loop is cancelled, it may still end with the engine's death: retrieved
+        # here, so that it is not logged as an exception nobody saw.
+        receive.add_done_callback(lambda f: f.cancelled() or f.exception())
+        period = min(WATCHDOG_MAX_PERIOD_S, self.engine_timeout or WATCHDOG_MAX_PERIOD_S)
+        try:
+            while True:
+                done, _ = await asyncio.wait({receive}, timeout=period)
+                if done:
+                    return receive.result()
+                stalled = time.monotonic() - self._last_progress
+                if self.engine_timeout is not None and self._streams and (
+                    stalled > self.engine_timeout
+                ):
+                    self._client.kill()
+                    raise EngineDeadError(
+                        f"the engine made no progress for {stalled:.1f} s with "
+                        f"{len(self._streams)} request(s) in flight (--engine-timeout "
+                        f"{self.engine_timeout:g}); its process was killed"
+                    )
+        finally:
+            receive.cancel()
 
     async def _handle_step(self, step: StepResult) -> None:
         now = time.monotonic()
@@ -392,6 +433,8 @@ class AsyncLLM:
         self.state = EngineState.DEAD
         self.dead_reason = reason
         self._fail_all(EngineDeadError(reason))
+        if self.observer is not None:
+            self.observer.on_engine_dead()
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

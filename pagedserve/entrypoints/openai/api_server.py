@@ -9,7 +9,9 @@ its own process while the server already answers (``/health``: 503 until ready).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -23,6 +25,7 @@ from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BY
 from pagedserve.entrypoints.openai.http_guards import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    LOOPBACK_HOSTS,
     MAX_HEADER_BYTES,
     guarded_h11_protocol,
 )
@@ -37,6 +40,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_ENGINE_TIMEOUT_S = 60.0
 CONNECTION_CLOSE_TIMEOUT_S = 2.0
 
 
@@ -80,6 +84,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     _add_request_limit_args(group)
     _add_connection_args(group)
     group.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host names the server answers (others: 400), '*' for any "
+        "(default: localhost,127.0.0.1,[::1] when --host is a loopback address, else any)",
+    )
+    group.add_argument(
         "--parse-special-tokens-in-content",
         action="store_true",
         help="tokenize control tokens written in chat message content (<|im_end|>, ...) as "
@@ -89,6 +99,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_connection_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--engine-timeout",
+        type=_positive_float,
+        default=DEFAULT_ENGINE_TIMEOUT_S,
+        help="with requests in flight, an engine that completes no step for this many seconds "
+        "is declared hung: its process is killed, the requests end with engine_dead and "
+        "/health answers 503 (model loading at start-up is not counted) "
+        f"(default: {DEFAULT_ENGINE_TIMEOUT_S})",
+    )
     group.add_argument(
         "--header-timeout",
         type=_positive_float,
@@ -149,6 +168,44 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts_from_args(args: argparse.Namespace) -> frozenset[str] | None:
+    """The ``Host`` names to answer; None: any."""
+    if args.allowed_hosts is None:
+        return LOOPBACK_HOSTS if is_loopback(args.host) else None
+    names = frozenset(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
+    return None if "*" in names else names
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen before anything else starts (the engine may take GPU memory first); OSError if
+    the address is taken."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def metrics_model_label(name: str) -> str:
+    """The served name for ``/metrics`` (an open route): a path is cut to its last part."""
+    return os.path.basename(name.rstrip("/")) or name
+
+
 def _model_from_args(args: argparse.Namespace) -> None:
     """``serve MODEL`` and ``serve --model MODEL`` mean the same; both at once must agree."""
     if args.model_tag is None:
@@ -197,13 +254,25 @@ def main(args: argparse.Namespace) -> int:
     from pagedserve.model.tokenizer import get_tokenizer
 
     _model_from_args(args)
+    if args.api_key is None and not is_loopback(args.host):
+        print(
+            f"pagedserve serve: warning: listening on {args.host} without --api-key: anyone "
+            "who can reach this port can use the model",
+            file=sys.stderr,
+        )
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"pagedserve serve: error: cannot listen on {args.host}:{args.port}: {e}",
+              file=sys.stderr)
+        return 1
     config = engine_config_from_args(args)
     # The same resolution the engine process does (model files, max_model_len), checked here
     # so a bad model path fails before the server starts.
     _, resolved = resolve_engine_config(config)
     tokenizer = get_tokenizer(config.model)
     name = config.model.served_model_name or config.model.model
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(metrics_model_label(name))
     engine = AsyncLLM(
         config,
         tokenizer,
@@ -211,6 +280,7 @@ def main(args: argparse.Namespace) -> int:
         EngineCore,
         observer=metrics,
         parse_special_tokens_in_content=args.parse_special_tokens_in_content,
+        engine_timeout=args.engine_timeout,
     )
 
     server: _Server | None = None
@@ -227,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
         limits=RequestLimits(args.max_n, args.max_prompts, args.max_completions,
                              args.max_logprobs),
         body_timeout=args.body_timeout,
+        allowed_hosts=allowed_hosts_from_args(args),
         on_fatal=on_fatal,
     )
     app = build_app(engine, metrics, settings)
@@ -250,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
         "(the model is loading; GET /health answers 200 once it is ready)",
         file=sys.stderr,
     )
-    server.run()
+    server.run(sockets=[sock])
     if server.fatal_reason is not None:
         print(
             f"pagedserve serve: error: the engine failed to start: {server.fatal_reason}",

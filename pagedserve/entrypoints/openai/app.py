@@ -67,6 +67,8 @@ class ServerSettings:
     engine_shutdown_timeout: float = 5.0
     limits: RequestLimits = field(default_factory=RequestLimits)
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    allowed_hosts: frozenset[str] | None = None
+    """``Host`` names answered (without the port); None: any."""
     on_fatal: Callable[[str], None] = field(default=lambda reason: None)
     """Called when the engine fails to start: the server should exit."""
 
@@ -127,7 +129,9 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(RequestGuard, body_timeout=settings.body_timeout)  # the outermost
+    app.add_middleware(  # the outermost
+        RequestGuard, body_timeout=settings.body_timeout, allowed_hosts=settings.allowed_hosts
+    )
     add_web_routes(app)
     app.include_router(_open_routes(engine, metrics))
     auth = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []

@@ -7,7 +7,8 @@ two ways are refused, header blocks are bounded.
 - ``RequestGuard`` (ASGI middleware): a request with both ``Content-Length`` and
   ``Transfer-Encoding`` (the shape of request smuggling: a proxy in front may frame it the
   other way) is answered 400 and its connection closed; more than ``MAX_HEADERS`` headers
-  or ``MAX_HEADER_BYTES`` of them, 431; a body that stalls for ``body_timeout`` s between two chunks, 408, connection closed.
+  or ``MAX_HEADER_BYTES`` of them, 431; a ``Host`` outside ``allowed_hosts``, 400 (a page
+  that DNS-rebinds its own name to 127.0.0.1 cannot drive a keyless local server); a body that stalls for ``body_timeout`` s between two chunks, 408, connection closed.
 """
 
 from __future__ import annotations
@@ -84,7 +85,31 @@ class BodyReadTimeoutError(StarletteHTTPException):
         )
 
 
-def _refusal(scope: Scope) -> OpenAIError | None:
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+"""The ``Host`` names a server bound to a loopback address accepts by default."""
+
+
+def host_name(host_header: bytes) -> str:
+    """``b"example.com:8000"`` -> ``"example.com"``; ``b"[::1]:8000"`` -> ``"[::1]"``."""
+    host = host_header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _host_refusal(headers: list[tuple[bytes, bytes]], allowed: frozenset[str]) -> OpenAIError | None:
+    for name, value in headers:
+        if name == b"host" and host_name(value) not in allowed:
+            return OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"Host {host_name(value)!r} is not one this server answers (--allowed-hosts)",
+                code="invalid_host",
+                headers=CLOSE,
+            )
+    return None
+
+
+def _refusal(scope: Scope, allowed_hosts: frozenset[str] | None) -> OpenAIError | None:
     headers = scope.get("headers", [])
     if len(headers) > MAX_HEADERS:
         return OpenAIError(
@@ -109,21 +134,25 @@ def _refusal(scope: Scope) -> OpenAIError | None:
             code="invalid_request_framing",
             headers=CLOSE,
         )
-    return None
+    return None if allowed_hosts is None else _host_refusal(headers, allowed_hosts)
 
 
 class RequestGuard:
-    """ASGI middleware: the request framing and header count checks, and the body timeout."""
+    """ASGI middleware: the request framing, header and Host checks, and the body timeout.
+    ``allowed_hosts`` None: any Host."""
 
-    def __init__(self, app: ASGIApp, body_timeout: float) -> None:
+    def __init__(
+        self, app: ASGIApp, body_timeout: float, allowed_hosts: frozenset[str] | None = None
+    ) -> None:
         self.app = app
         self.body_timeout = body_timeout
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = _refusal(scope)
+        refusal = _refusal(scope, self.allowed_hosts)
         if refusal is not None:
             await refusal.response()(scope, receive, send)
             return
