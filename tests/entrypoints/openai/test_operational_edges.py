@@ -14,8 +14,8 @@ import httpx
 from tests.entrypoints.openai.server_utils import REPO_ROOT, ServerProcess, metric_value
 from tests.entrypoints.openai.test_errors import AUTH
 
-BUSY_PORT_LIMIT_S = 10.0
-"""The CLI's imports, then the failed bind; the engine would take longer to start."""
+BUSY_PORT_LIMIT_S = 30.0
+"""The CLI's imports (seconds on a busy machine), then the failed bind."""
 
 
 def _serve_on_busy_port(model_dir: Path, host: str) -> tuple[subprocess.CompletedProcess, float]:
