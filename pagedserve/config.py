@@ -91,6 +91,7 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len: must be positive, got {self.max_model_len}",
         )
+        require(0 <= self.seed < 2**63, f"seed: must be in [0, 2**63), got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ then aborts the rest (see ``request_stream.py`` for the ways a request ends).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import logging
@@ -44,6 +45,15 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
 """How often ``drain`` looks whether the in-flight requests have finished."""
+TOKENIZER_THREADS = 1
+"""Threads that tokenize long text and apply chat templates, off the event loop (the tokenizer
+releases the GIL while it encodes, so a long prompt does not stall the other requests). One:
+the engine and the event loop keep the other cores."""
+WATCHDOG_MAX_PERIOD_S = 1.0
+"""The output loop looks at least this often whether the engine is still making progress."""
+INLINE_TEXT_CHARS = 4096
+"""Prompts up to this many characters are tokenized on the event loop: quicker than a thread
+hop, and they never queue behind a long prompt."""
 
 __all__ = [
     "AsyncLLM",
@@ -78,6 +88,10 @@ class StatsObserver(Protocol):
 
     def on_request_finished(self, e2e: float) -> None: ...
 
+    def on_engine_dead(self) -> None:
+        """The engine process is gone: nothing runs, no KV block is held."""
+        ...
+
 
 class AsyncLLM:
     def __init__(
@@ -87,8 +101,15 @@ class AsyncLLM:
         model_path: Path,
         core_factory: Callable[[EngineConfig], Any],
         observer: StatsObserver | None = None,
+        parse_special_tokens_in_content: bool = False,
+        engine_timeout: float | None = None,
     ) -> None:
         self.config = config
+        self.engine_timeout = engine_timeout
+        """Seconds the engine may go without a step while requests are in flight before it
+        is declared hung (killed, requests failed); None: never."""
+        self._last_progress = time.monotonic()
+        self.parse_special_tokens_in_content = parse_special_tokens_in_content
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.core_factory = core_factory
@@ -105,6 +126,9 @@ class AsyncLLM:
         """Engine-core request id (a child, for n > 1) -> its request's stream."""
         self._output_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize"
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -117,7 +141,11 @@ class AsyncLLM:
             self._mark_dead(str(e))
             raise
         self.input_processor = InputProcessor.for_model(
-            self.tokenizer, self.model_path, self.info.max_model_len, self.info.vocab_size
+            self.tokenizer,
+            self.model_path,
+            self.info.max_model_len,
+            self.info.vocab_size,
+            self.parse_special_tokens_in_content,
         )
         self.state = EngineState.READY
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")
@@ -153,6 +181,7 @@ class AsyncLLM:
             self._output_task.cancel()
         if self._client is not None:
             await self._client.shutdown(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def engine_pid(self) -> int | None:
@@ -188,17 +217,53 @@ class AsyncLLM:
     ) -> dict[str, Any]:
         return self._ready_processor().render_chat(messages, add_generation_prompt)
 
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+    ) -> dict[str, Any]:
+        """``render_chat``, in a tokenizer thread for a long conversation."""
+        processor = self._ready_processor()
+        chars = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict))
+        if chars <= INLINE_TEXT_CHARS:
+            return processor.render_chat(messages, add_generation_prompt)
+        return await self._in_tokenizer_thread(
+            processor.render_chat, messages, add_generation_prompt
+        )
+
+    async def encode_async(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
+        """``InputProcessor.encode`` in a tokenizer thread."""
+        processor = self._ready_processor()
+        if len(text) <= INLINE_TEXT_CHARS:
+            return processor.encode(field, text, add_special_tokens)
+        return await self._in_tokenizer_thread(processor.encode, field, text, add_special_tokens)
+
     def process_inputs(
         self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
     ) -> ProcessedRequest:
         """Validate and tokenize a request (nothing is sent yet). Raises ``ValueError`` naming
         the field, ``EngineOverloadedError`` beyond ``max_waiting_requests``, and
         ``EngineNotReadyError`` / ``EngineDeadError`` when requests cannot be served."""
+        processor = self._admit_processor()
+        return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params)
+
+    async def process_inputs_async(
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+    ) -> ProcessedRequest:
+        """``process_inputs`` with the tokenizing in a tokenizer thread."""
+        processor = self._admit_processor()
+        request_id = request_id or uuid.uuid4().hex
+        if not isinstance(prompt, str) or len(prompt) <= INLINE_TEXT_CHARS:
+            return processor.process_inputs(request_id, prompt, params)
+        return await self._in_tokenizer_thread(processor.process_inputs, request_id, prompt, params)
+
+    async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _admit_processor(self) -> InputProcessor:
         processor = self._ready_processor()
         limit = self.config.scheduler.max_waiting_requests
         if limit is not None and self.num_waiting_for_first_token() >= limit:
             raise EngineOverloadedError(f"{limit} requests are already waiting; retry later")
-        return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params)
+        return processor
 
     async def submit(
         self,
@@ -214,6 +279,8 @@ class AsyncLLM:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout: must be positive, got {timeout}")
         stream = RequestStream(self, processed, timeout)
+        if not self._streams:
+            self._last_progress = time.monotonic()  # an idle engine owed no step until now
         self.output_processor.add_request(processed, output_kind)
         self._streams[processed.request_id] = stream
         self._stream_of_child.update(dict.fromkeys(stream.child_ids, stream))
@@ -276,7 +343,8 @@ class AsyncLLM:
         assert self._client is not None
         try:
             while True:
-                step = await self._client.get_output()
+                step = await self._next_step()
+                self._last_progress = time.monotonic()
                 await self._handle_step(step)
         except EngineDeadError as e:
             if self.state is EngineState.READY:
@@ -285,6 +353,33 @@ class AsyncLLM:
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("output loop failed")
             self._mark_dead(f"output loop failed: {e!r}")
+
+    async def _next_step(self) -> StepResult:
+        """The engine's next step; ``EngineDeadError`` if it exits or, with requests in
+        flight, sends no step for ``engine_timeout`` s (the process is then killed)."""
+        assert self._client is not None
+        receive = asyncio.ensure_future(self._client.get_output())
+        # If this loop is cancelled, it may still end with the engine's death: retrieved
+        # here, so that it is not logged as an exception nobody saw.
+        receive.add_done_callback(lambda f: f.cancelled() or f.exception())
+        period = min(WATCHDOG_MAX_PERIOD_S, self.engine_timeout or WATCHDOG_MAX_PERIOD_S)
+        try:
+            while True:
+                done, _ = await asyncio.wait({receive}, timeout=period)
+                if done:
+                    return receive.result()
+                stalled = time.monotonic() - self._last_progress
+                if self.engine_timeout is not None and self._streams and (
+                    stalled > self.engine_timeout
+                ):
+                    self._client.kill()
+                    raise EngineDeadError(
+                        f"the engine made no progress for {stalled:.1f} s with "
+                        f"{len(self._streams)} request(s) in flight (--engine-timeout "
+                        f"{self.engine_timeout:g}); its process was killed"
+                    )
+        finally:
+            receive.cancel()
 
     async def _handle_step(self, step: StepResult) -> None:
         now = time.monotonic()
@@ -338,6 +433,8 @@ class AsyncLLM:
         self.state = EngineState.DEAD
         self.dead_reason = reason
         self._fail_all(EngineDeadError(reason))
+        if self.observer is not None:
+            self.observer.on_engine_dead()
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

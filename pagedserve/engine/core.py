@@ -181,14 +181,39 @@ class EngineCore:
         if not self._in_flight:
             return []
         scheduler_output, pending = self._in_flight.popleft()
-        runner_output = ModelRunnerOutput.empty() if pending is None else pending.get_output()
+        with self._plan_lost_on_error(scheduler_output):
+            runner_output = ModelRunnerOutput.empty() if pending is None else pending.get_output()
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _launch(self) -> tuple[SchedulerOutput, PendingOutput | None]:
         """Schedule a step and queue its work on the device; nothing here waits for it."""
         scheduler_output = self.scheduler.schedule()
-        # Always applied, even with no tokens to run: it frees the slots of finished requests.
-        self.executor.execute_model(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return scheduler_output, None
-        return scheduler_output, self.executor.sample_tokens_async()
+        with self._plan_lost_on_error(scheduler_output):
+            # Always applied, even with no tokens to run: it frees finished requests' slots.
+            self.executor.execute_model(scheduler_output)
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                return scheduler_output, None
+            return scheduler_output, self.executor.sample_tokens_async()
+
+    @contextmanager
+    def _plan_lost_on_error(self, scheduler_output: SchedulerOutput) -> Iterator[None]:
+        """If a step fails after it was planned (an exception, Ctrl-C), that plan and the ones
+        still in flight are dropped: the slots they released go into the next plan again
+        (freeing an unknown slot is a no-op), and the requests they advanced are rewound, so
+        that aborting them uncaches the blocks whose KV was never written. Aborting those
+        requests is the caller's job (``LLM`` does it in a ``finally``)."""
+        try:
+            yield
+        except BaseException:
+            lost = [scheduler_output] + [plan for plan, _ in self._in_flight]
+            self._in_flight.clear()
+            for plan in lost:
+                self._rewind(plan)
+            raise
+
+    def _rewind(self, plan: SchedulerOutput) -> None:
+        self.scheduler.finished_req_ids |= plan.finished_req_ids | plan.preempted_req_ids
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is not None:
+                request.num_computed_tokens = max(0, request.num_computed_tokens - num_tokens)

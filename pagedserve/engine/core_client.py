@@ -145,6 +145,12 @@ class EngineCoreClient:
             raise EngineDeadError(self._dead.result())
         send.result()
 
+    def kill(self) -> None:
+        """SIGKILL the engine process (a hung one may not answer SIGTERM); its sentinel then
+        marks the client dead."""
+        if self.proc.is_alive() and self.proc.pid is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the engine to stop, wait up to ``timeout`` s, then terminate it; idempotent."""
         if self._closed:

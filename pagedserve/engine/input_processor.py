@@ -10,11 +10,14 @@ prefix cache. The output processor folds them back into one ``RequestOutput``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import jinja2
 
 from pagedserve.core.request import Request
 from pagedserve.field_types import token_id_list
@@ -37,6 +40,13 @@ def as_conversations(messages: ChatMessages | Sequence[ChatMessages]) -> Sequenc
     return [messages] if _is_conversation(messages) else messages
 
 
+TEXT_LENGTH_SLACK = 4
+"""How many characters of user text one character of a token's vocabulary entry may stand for
+in the cheap length bound (a normalizer may compose characters)."""
+_CONTENT_MARK = "\x00pagedserve-content-{}\x00"
+_CONTENT_MARK_RE = re.compile("\x00pagedserve-content-(\\d+)\x00")
+
+
 @dataclass
 class ProcessedRequest:
     """One user request, ready for the engine core (``requests``) and the output processor."""
@@ -49,6 +59,20 @@ class ProcessedRequest:
     requests: list[Request]
     """The ``n`` children, in completion-index order; ``n == 1``: one request with ``request_id``."""
     arrival_time: float
+
+
+def check_unicode(field: str, text: str) -> None:
+    """Refuse a string that is not valid Unicode: a lone surrogate, which JSON's ``\\ud800``
+    escape can carry and no tokenizer can encode."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field}: not valid Unicode: a lone surrogate ({text[e.start]!r}) at character "
+            f"{e.start}"
+        ) from None
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -73,6 +97,10 @@ class InputProcessor:
     ``eos_token_id`` is the model's primary EOS (the scheduler stops on it unless
     ``ignore_eos``); ``extra_eos_token_ids`` (e.g. Llama 3's ``<|eot_id|>``) are added to each
     request's ``stop_token_ids`` unless ``ignore_eos``.
+
+    Chat message content is text: a control token written in it (``<|im_end|>``) is tokenized
+    as plain text, so a user cannot forge the template's turns; ``parse_special_tokens_in_content``
+    restores the older behaviour (the whole rendered conversation parsed for control tokens).
     """
 
     def __init__(
@@ -82,16 +110,30 @@ class InputProcessor:
         vocab_size: int,
         eos_token_id: int | None,
         extra_eos_token_ids: Sequence[int] = (),
+        parse_special_tokens_in_content: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
+        self.parse_special_tokens_in_content = parse_special_tokens_in_content
+        vocab = {} if tokenizer is None else tokenizer.get_vocab()
+        self.control_tokens = [] if tokenizer is None else list(tokenizer.get_added_vocab())
+        """Strings the tokenizer turns into one added token wherever they appear in text."""
+        self.max_text_chars = (
+            TEXT_LENGTH_SLACK * max_model_len * max(map(len, vocab), default=1)
+        )
+        """Text longer than this cannot fit in ``max_model_len`` tokens: refused untokenized."""
 
     @classmethod
     def for_model(
-        cls, tokenizer: Any, model_path: Path, max_model_len: int, vocab_size: int
+        cls,
+        tokenizer: Any,
+        model_path: Path,
+        max_model_len: int,
+        vocab_size: int,
+        parse_special_tokens_in_content: bool = False,
     ) -> InputProcessor:
         """EOS from the tokenizer, extra EOS ids from the folder's generation config.
         ``tokenizer`` None (``skip_tokenizer_init``): token-id prompts only, no text."""
@@ -99,14 +141,16 @@ class InputProcessor:
         eos = None if tokenizer is None else tokenizer.eos_token_id
         if eos is None and gen_eos:
             eos = gen_eos[0]
-        return cls(tokenizer, max_model_len, vocab_size, eos, gen_eos)
+        return cls(
+            tokenizer, max_model_len, vocab_size, eos, gen_eos, parse_special_tokens_in_content
+        )
 
     # -- prompts -------------------------------------------------------------------------------
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids)."""
         if isinstance(prompt, str):
-            return prompt, list(self._require_tokenizer("prompt").encode(prompt))
+            return prompt, self.encode("prompt", prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = token_id_list("prompt_token_ids", prompt["prompt_token_ids"])
@@ -119,6 +163,23 @@ class InputProcessor:
         raise ValueError(
             f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}"
         )
+
+    def encode(self, field: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text`` (the user's ``field``), checked first by ``check_text``."""
+        tokenizer = self._require_tokenizer(field)
+        self.check_text(field, text)
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_text(self, field: str, text: str) -> None:
+        """Refuse, before any tokenizing, text that is not valid Unicode or longer than any
+        prompt of ``max_model_len`` tokens can be (a cheap bound: characters against the
+        longest vocabulary entry)."""
+        check_unicode(field, text)
+        if len(text) > self.max_text_chars:
+            raise ValueError(
+                f"{field}: {len(text)} characters is more than a prompt of max_model_len="
+                f"{self.max_model_len} tokens can hold (at most {self.max_text_chars})"
+            )
 
     def _require_tokenizer(self, field: str) -> Any:
         if self.tokenizer is None:
@@ -143,11 +204,56 @@ class InputProcessor:
         tokenizer = self._require_tokenizer("messages")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("messages: the model's tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        for i, message in enumerate(messages):
+            self.check_text(f"messages[{i}].content", message["content"])
+        text = self._apply_template(messages, add_generation_prompt)
+        self.check_text("messages", text)
+        if self.parse_special_tokens_in_content or not self._has_control_tokens(messages):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self._encode_content_as_text(messages, add_generation_prompt, text)
         return {"prompt": text, "prompt_token_ids": list(ids)}
+
+    def _apply_template(self, messages: ChatMessages, add_generation_prompt: bool) -> str:
+        """The rendered conversation; a template that refuses it (Llama 2's and Mistral's
+        refuse a system turn or roles that do not alternate) gives a ValueError with its
+        message."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+
+    def _has_control_tokens(self, messages: ChatMessages) -> bool:
+        return any(t in m["content"] for m in messages for t in self.control_tokens)
+
+    def _encode_content_as_text(
+        self, messages: ChatMessages, add_generation_prompt: bool, text: str
+    ) -> list[int]:
+        """Tokenize ``text`` (the rendered ``messages``) with control tokens parsed in the
+        template's own text only: the template is rendered again with a marker for each
+        message's content, and the content between the template's pieces is tokenized with
+        its control tokens split into ordinary text tokens."""
+        marked = [{**m, "content": _CONTENT_MARK.format(i)} for i, m in enumerate(messages)]
+        pieces = _CONTENT_MARK_RE.split(self._apply_template(marked, add_generation_prompt))
+        # split() alternates: template text, content index, template text, ...
+        contents = [messages[int(i)]["content"] for i in pieces[1::2]]
+        if "".join(p if k % 2 == 0 else contents[k // 2] for k, p in enumerate(pieces)) != text:
+            raise ValueError(
+                "messages: a message's content holds a control token of the tokenizer "
+                f"(one of {self.control_tokens[:5]}), and the chat template transforms the "
+                "content, so it cannot be kept apart from the template's own control tokens"
+            )
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+            else:
+                ids += self.tokenizer.encode(
+                    contents[k // 2], add_special_tokens=False, split_special_tokens=True
+                )
+        return ids
 
     # -- validation ----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from pagedserve.engine.input_processor import (
     as_conversations,
 )
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.entrypoints.deferred_interrupt import DeferredInterrupt
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.model.resolve import model_folder
 from pagedserve.model.tokenizer import get_tokenizer
@@ -130,9 +131,15 @@ class LLM:
             self.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
             for p, sp in zip(prompt_list, params_list, strict=True)
         ]
-        for request in processed:
-            self._add(request, RequestOutputKind.FINAL_ONLY)
-        return self._run_to_completion([r.request_id for r in processed], use_tqdm)
+        request_ids = [r.request_id for r in processed]
+        # An exception (Ctrl-C included) anywhere below aborts this call's requests, so their
+        # blocks return to the pool and the next call starts from an idle engine.
+        try:
+            for request in processed:
+                self._add(request, RequestOutputKind.FINAL_ONLY)
+            return self._run_to_completion(request_ids, use_tqdm)
+        finally:
+            self._abort(request_ids)
 
     def chat(
         self,
@@ -169,8 +176,7 @@ class LLM:
             while self.output_processor.has_unfinished_requests():
                 yield from self._step()
         finally:
-            child_ids = self.output_processor.abort_requests([processed.request_id])
-            self.engine_core.abort_requests(child_ids)
+            self._abort([processed.request_id])
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
         """Queue one prompt without running it and return its request id; ``step`` runs it.
@@ -198,6 +204,11 @@ class LLM:
         for request in processed.requests:
             self.engine_core.add_request(request)
 
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort the unfinished ones of ``request_ids`` (finished or unknown ids are ignored)."""
+        child_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(child_ids)
+
     def _step(self) -> list[RequestOutput]:
         """One engine step; finishes in the core the requests a stop string ended."""
         if not self.engine_core.has_unfinished_requests():
@@ -211,9 +222,14 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         num_output_tokens = 0
         start = time.perf_counter()
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with (
+            tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar,
+            DeferredInterrupt() as interrupt,
+        ):
             while self.output_processor.has_unfinished_requests():
-                for output in self._step():
+                with interrupt.step():
+                    outputs = self._step()
+                for output in outputs:
                     if not output.finished:
                         continue
                     finished[output.request_id] = output

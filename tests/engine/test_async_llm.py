@@ -52,6 +52,9 @@ class RecordingObserver:
     def on_request_finished(self, e2e: float) -> None:
         self.e2es.append(e2e)
 
+    def on_engine_dead(self) -> None:
+        self.stats = None
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -210,5 +213,38 @@ def test_validation_errors_name_the_field(tokenizer, tmp_path: Path) -> None:
         finally:
             await engine.shutdown()
         assert os.path.exists(tmp_path)
+
+    asyncio.run(run())
+
+
+def test_hung_engine_is_declared_dead(tokenizer, tmp_path: Path) -> None:
+    """SIGSTOP the engine mid-request: after ``engine_timeout`` without a step the request
+    ends with EngineDeadError, the engine process is killed and the gauges read 0."""
+    timeout = 0.5
+
+    async def run() -> None:
+        observer = RecordingObserver()
+        config = EngineConfig.from_kwargs(max_model_len=LONG_CONTEXT)
+        engine = AsyncLLM(config, tokenizer, tmp_path, FakeCore, observer=observer,
+                          engine_timeout=timeout)
+        await engine.start()
+        try:
+            idle = time.monotonic()
+            await asyncio.sleep(timeout * 2)  # idle for longer than the timeout: not a hang
+            assert engine.state is EngineState.READY
+            gen = engine.generate([3], SamplingParams(max_tokens=50_000))
+            await anext(gen)
+            assert time.monotonic() - idle > timeout * 2
+            os.kill(engine.engine_pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError, match="no progress for .*--engine-timeout"):
+                async for _ in gen:
+                    pass
+            assert timeout < time.monotonic() - start < timeout + 3.0
+            assert engine.state is EngineState.DEAD and observer.stats is None
+            with pytest.raises(EngineDeadError):
+                engine.process_inputs([1], SamplingParams())
+        finally:
+            await engine.shutdown()
 
     asyncio.run(run())

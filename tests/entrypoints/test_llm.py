@@ -115,6 +115,8 @@ def test_unknown_engine_argument():
 def test_bad_engine_value_names_the_field():
     with pytest.raises(ValueError, match="^block_size"):
         LLM(model="unused", block_size=3)
+    with pytest.raises(ValueError, match=r"^seed: must be in \[0, 2\*\*63\), got -1"):
+        LLM(model="unused", seed=-1)
 
 
 def test_skip_tokenizer_init(tmp_path):

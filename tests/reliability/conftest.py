@@ -86,6 +86,12 @@ def faults_server(servers: dict[str, ServerProcess]) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
+def hang_server(servers: dict[str, ServerProcess]) -> ServerProcess:
+    """Its engine process is stopped (hung), then killed by the engine timeout."""
+    return _ready(servers, "hang_server")
+
+
+@pytest.fixture(scope="session")
 def figures(request: pytest.FixtureRequest) -> dict[str, object]:
     """Figures measured by the tests, printed at the end of the run."""
     return request.config.stash.setdefault(FIGURES, {})

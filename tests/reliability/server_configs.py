@@ -5,6 +5,8 @@ from __future__ import annotations
 
 MAIN_MAX_MODEL_LEN = 64
 """The shared server's context: short, so that any request the fuzzer makes is cheap."""
+MAIN_CONNECTION_TIMEOUT_S = 2.0
+"""The shared server's header and body timeouts: short, so idle sockets are cut quickly."""
 PRESSURE_MAX_MODEL_LEN = 40
 PRESSURE_BLOCK_SIZE = 4
 PRESSURE_NUM_BLOCKS = 12
@@ -12,13 +14,22 @@ PRESSURE_NUM_BLOCKS = 12
 LIFECYCLE_MAX_MODEL_LEN = 16384
 """Long enough that a request outlives the lifecycle tests at any speed."""
 SHUTDOWN_TIMEOUT_S = 3.0
+HANG_ENGINE_TIMEOUT_S = 2.0
 
 TOKEN_BUDGET = ("--max-num-batched-tokens", "256")
 """Each server's token budget per step: the model runner's input buffers are this long and the
 CPU path touches all of their rows every step, so a small budget keeps steps fast."""
 
 SERVER_ARGS: dict[str, tuple[str, ...]] = {
-    "main_server": ("--max-model-len", str(MAIN_MAX_MODEL_LEN), *TOKEN_BUDGET),
+    "main_server": (
+        "--max-model-len",
+        str(MAIN_MAX_MODEL_LEN),
+        *TOKEN_BUDGET,
+        "--header-timeout",
+        str(MAIN_CONNECTION_TIMEOUT_S),
+        "--body-timeout",
+        str(MAIN_CONNECTION_TIMEOUT_S),
+    ),
     "pressure_server": (
         *TOKEN_BUDGET,
         "--max-model-len",
@@ -40,6 +51,7 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
         str(SHUTDOWN_TIMEOUT_S),
     ),
     "faults_server": TOKEN_BUDGET,
+    "hang_server": (*TOKEN_BUDGET, "--engine-timeout", str(HANG_ENGINE_TIMEOUT_S)),
 }
 """Fixture name -> options (after the defaults of ``ServerProcess``: max_model_len
 ``MAX_MODEL_LEN``, float32)."""

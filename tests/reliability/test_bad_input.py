@@ -80,7 +80,7 @@ BAD_INPUTS: list[BadCase] = [
         CH,
         {"messages": [{"role": "user", "content": "fox " * 2000}]},
         400,
-        "prompt",
+        "messages[0].content",  # longer than any prompt of the context: refused untokenized
     ),
     ("empty prompt", C, {"prompt": ""}, 400, "prompt"),
     ("empty prompt list", C, {"prompt": []}, 400, "prompt"),

@@ -1,6 +1,8 @@
-"""Faults: the engine process SIGKILLed while streaming and non-streaming requests of both APIs
-run. Every one of them ends with an error within 5 s, ``/health`` turns 503, the API process
-keeps answering (new requests get 503 at once), and SIGTERM still ends it cleanly."""
+"""Faults: the engine process SIGKILLed, or stopped (SIGSTOP: hung) on a server with a short
+``--engine-timeout``, while streaming and non-streaming requests of both APIs run. Every one
+of them ends with an error within 5 s (after the engine timeout, for the hung engine),
+``/health`` turns 503, the gauges read 0, the API process keeps answering (new requests get
+503 at once), and SIGTERM still ends it cleanly."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ import time
 import httpx
 
 from tests.entrypoints.openai.server_utils import ServerProcess, metric_value
-from tests.reliability.reliability_utils import RUNNING, StreamResult, completion_body, stream_sse
+from tests.reliability.reliability_utils import (
+    RUNNING,
+    StreamResult,
+    completion_body,
+    engine_state,
+    stream_sse,
+)
+from tests.reliability.server_configs import HANG_ENGINE_TIMEOUT_S
 
 LONG = 3000
 """Tokens of a request that runs far longer than the test."""
@@ -58,15 +67,19 @@ def _check_ended_with_error(name: str, outcome: object) -> None:
     assert outcome.json()["error"]["code"] == "engine_dead"
 
 
-async def _kill_engine_mid_generation(server: ServerProcess, model: str) -> dict[str, float]:
+async def _signal_engine_mid_generation(
+    server: ServerProcess, model: str, signum: int, deadline: float
+) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=60) as http:
         tasks = await _in_flight(http, server.url, model)
-        return await _kill_and_time(server, tasks)
+        return await _signal_and_time(server, tasks, signum, deadline)
 
 
-async def _kill_and_time(server: ServerProcess, tasks: dict[str, asyncio.Task]) -> dict[str, float]:
-    """SIGKILL the engine; seconds until each request ended (each with its error)."""
-    os.kill(server.engine_pid(), signal.SIGKILL)
+async def _signal_and_time(
+    server: ServerProcess, tasks: dict[str, asyncio.Task], signum: int, deadline: float
+) -> dict[str, float]:
+    """Send ``signum`` to the engine; seconds until each request ended (each with its error)."""
+    os.kill(server.engine_pid(), signum)
     killed_at = time.monotonic()
     ended_after: dict[str, float] = {}
 
@@ -76,7 +89,7 @@ async def _kill_and_time(server: ServerProcess, tasks: dict[str, asyncio.Task]) 
         _check_ended_with_error(name, outcome)
 
     await asyncio.wait_for(
-        asyncio.gather(*(timed(n, t) for n, t in tasks.items())), timeout=DEADLINE_S
+        asyncio.gather(*(timed(n, t) for n, t in tasks.items())), timeout=deadline
     )
     return ended_after
 
@@ -84,10 +97,33 @@ async def _kill_and_time(server: ServerProcess, tasks: dict[str, asyncio.Task]) 
 def test_engine_killed_mid_generation(
     faults_server: ServerProcess, model_name: str, figures: dict
 ) -> None:
-    url = faults_server.url
-    ended_after = asyncio.run(_kill_engine_mid_generation(faults_server, model_name))
+    ended_after = asyncio.run(
+        _signal_engine_mid_generation(faults_server, model_name, signal.SIGKILL, DEADLINE_S)
+    )
     assert max(ended_after.values()) < DEADLINE_S
+    figures["faults: engine SIGKILLed with requests in flight"] = _check_dead_server(
+        faults_server, model_name, ended_after
+    )
 
+
+def test_hung_engine_mid_generation(
+    hang_server: ServerProcess, model_name: str, figures: dict
+) -> None:
+    deadline = HANG_ENGINE_TIMEOUT_S + DEADLINE_S
+    ended_after = asyncio.run(
+        _signal_engine_mid_generation(hang_server, model_name, signal.SIGSTOP, deadline)
+    )
+    assert HANG_ENGINE_TIMEOUT_S <= min(ended_after.values())
+    assert max(ended_after.values()) < deadline
+    figures[
+        f"faults: engine stopped (SIGSTOP) with requests in flight, --engine-timeout "
+        f"{HANG_ENGINE_TIMEOUT_S:g}"
+    ] = _check_dead_server(hang_server, model_name, ended_after)
+
+
+def _check_dead_server(server: ServerProcess, model_name: str, ended_after: dict) -> str:
+    """After the engine's death: 503s, the open routes, gauges at 0, a clean SIGTERM."""
+    url = server.url
     health = httpx.get(f"{url}/health", timeout=5)
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     start = time.monotonic()
@@ -96,13 +132,14 @@ def test_engine_killed_mid_generation(
     assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
     assert refused_in < 1.0
     assert httpx.get(f"{url}/version", timeout=5).status_code == 200
-    assert httpx.get(f"{url}/metrics", timeout=5).status_code == 200
+    assert engine_state(url) == (0.0, 0.0, 0.0)  # running, waiting, KV usage
 
     start = time.monotonic()
-    assert faults_server.stop(timeout=20) == 0, faults_server.log()
+    assert server.stop(timeout=20) == 0, server.log()
     stopped_in = time.monotonic() - start
-    figures["faults: engine SIGKILLed with requests in flight"] = (
-        f"{len(ended_after)} requests ended with engine_dead within "
-        f"{max(ended_after.values()):.2f} s; /health 503; a new request refused in "
+    return (
+        f"{len(ended_after)} requests ended with engine_dead after "
+        f"{min(ended_after.values()):.2f}-{max(ended_after.values()):.2f} s; /health 503; "
+        f"gauges running / waiting / KV usage 0 / 0 / 0.0; a new request refused in "
         f"{refused_in * 1000:.0f} ms; SIGTERM then exited 0 in {stopped_in:.1f} s"
     )

@@ -9,7 +9,9 @@ its own process while the server already answers (``/health``: 503 until ready).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -20,6 +22,14 @@ import uvicorn
 from pagedserve.config import ModelConfig
 from pagedserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.entrypoints.openai.http_guards import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    LOOPBACK_HOSTS,
+    MAX_HEADER_BYTES,
+    guarded_h11_protocol,
+)
+from pagedserve.entrypoints.openai.request_limits import RequestLimits
 
 if TYPE_CHECKING:
     from pagedserve.engine.async_llm import AsyncLLM
@@ -29,6 +39,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_ENGINE_TIMEOUT_S = 60.0
 CONNECTION_CLOSE_TIMEOUT_S = 2  # whole seconds: uvicorn's timeout_graceful_shutdown is an int
 
 
@@ -69,6 +81,72 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies are answered 413 before they are parsed "
         f"(default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
     )
+    _add_request_limit_args(group)
+    _add_connection_args(group)
+    group.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host names the server answers (others: 400), '*' for any "
+        "(default: localhost,127.0.0.1,[::1] when --host is a loopback address, else any)",
+    )
+    group.add_argument(
+        "--parse-special-tokens-in-content",
+        action="store_true",
+        help="tokenize control tokens written in chat message content (<|im_end|>, ...) as "
+        "control tokens, as the template's own are; by default they are plain text, so a "
+        "message cannot forge a turn of another role",
+    )
+
+
+def _add_connection_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--engine-timeout",
+        type=_positive_float,
+        default=DEFAULT_ENGINE_TIMEOUT_S,
+        help="with requests in flight, an engine that completes no step for this many seconds "
+        "is declared hung: its process is killed, the requests end with engine_dead and "
+        "/health answers 503 (model loading at start-up is not counted) "
+        f"(default: {DEFAULT_ENGINE_TIMEOUT_S})",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="close a connection that has not sent a complete request line and headers this "
+        "many seconds after connecting or after its previous response "
+        f"(default: {DEFAULT_HEADER_TIMEOUT_S})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 and close the connection when a request body stalls this many "
+        f"seconds between two chunks (default: {DEFAULT_BODY_TIMEOUT_S})",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="past this many open connections (or requests in progress), a new request is "
+        f"answered 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+
+
+def _add_request_limit_args(group: argparse._ArgumentGroup) -> None:
+    """Per-request cost caps (``RequestLimits``): past one, a request is answered 400."""
+    limits = RequestLimits()
+    for option, dest, what in (
+        ("--max-n", "max_n", "completions per prompt (n)"),
+        ("--max-prompts-per-request", "max_prompts", "prompts in one completions request"),
+        ("--max-completions-per-request", "max_completions",
+         "engine requests one request becomes (prompts x n)"),
+        ("--max-logprobs", "max_logprobs", "logprobs / top_logprobs per token"),
+    ):
+        default = getattr(limits, dest)
+        group.add_argument(
+            option, dest=dest, type=_positive_int, default=default,
+            help=f"at most this many {what}; more is answered 400 (default: {default})",
+        )
 
 
 def _positive_float(text: str) -> float:
@@ -88,6 +166,44 @@ def _positive_int(text: str) -> int:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_serve_args(parser)
     add_engine_args(parser)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts_from_args(args: argparse.Namespace) -> frozenset[str] | None:
+    """The ``Host`` names to answer; None: any."""
+    if args.allowed_hosts is None:
+        return LOOPBACK_HOSTS if is_loopback(args.host) else None
+    names = frozenset(h.strip().lower() for h in args.allowed_hosts.split(",") if h.strip())
+    return None if "*" in names else names
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen before anything else starts (the engine may take GPU memory first); OSError if
+    the address is taken."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def metrics_model_label(name: str) -> str:
+    """The served name for ``/metrics`` (an open route): a path is cut to its last part."""
+    return os.path.basename(name.rstrip("/")) or name
 
 
 def _model_from_args(args: argparse.Namespace) -> None:
@@ -138,14 +254,34 @@ def main(args: argparse.Namespace) -> int:
     from pagedserve.model.tokenizer import get_tokenizer
 
     _model_from_args(args)
+    if args.api_key is None and not is_loopback(args.host):
+        print(
+            f"pagedserve serve: warning: listening on {args.host} without --api-key: anyone "
+            "who can reach this port can use the model",
+            file=sys.stderr,
+        )
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"pagedserve serve: error: cannot listen on {args.host}:{args.port}: {e}",
+              file=sys.stderr)
+        return 1
     config = engine_config_from_args(args)
     # The same resolution the engine process does (model files, max_model_len), checked here
     # so a bad model path fails before the server starts.
     _, resolved = resolve_engine_config(config)
     tokenizer = get_tokenizer(config.model)
     name = config.model.served_model_name or config.model.model
-    metrics = ServerMetrics(name)
-    engine = AsyncLLM(config, tokenizer, resolved.path, EngineCore, observer=metrics)
+    metrics = ServerMetrics(metrics_model_label(name))
+    engine = AsyncLLM(
+        config,
+        tokenizer,
+        resolved.path,
+        EngineCore,
+        observer=metrics,
+        parse_special_tokens_in_content=args.parse_special_tokens_in_content,
+        engine_timeout=args.engine_timeout,
+    )
 
     server: _Server | None = None
 
@@ -158,6 +294,10 @@ def main(args: argparse.Namespace) -> int:
         model_root=config.model.model,
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
+        limits=RequestLimits(args.max_n, args.max_prompts, args.max_completions,
+                             args.max_logprobs),
+        body_timeout=args.body_timeout,
+        allowed_hosts=allowed_hosts_from_args(args),
         on_fatal=on_fatal,
     )
     app = build_app(engine, metrics, settings)
@@ -168,6 +308,9 @@ def main(args: argparse.Namespace) -> int:
         log_level=getattr(args, "log_level", "warning"),
         # After the drain every response has ended: this only lets the last bytes out.
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,
+        http=guarded_h11_protocol(args.header_timeout),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        limit_concurrency=args.max_connections,
     )
     server = _Server(uv_config, engine, args.shutdown_timeout)
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at
@@ -178,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
         "(the model is loading; GET /health answers 200 once it is ready)",
         file=sys.stderr,
     )
-    server.run()
+    server.run(sockets=[sock])
     if server.fatal_reason is not None:
         print(
             f"pagedserve serve: error: the engine failed to start: {server.fatal_reason}",

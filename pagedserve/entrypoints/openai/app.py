@@ -24,6 +24,7 @@ import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagedserve.entrypoints.openai.http_guards import DEFAULT_BODY_TIMEOUT_S, RequestGuard
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -31,6 +32,7 @@ from pagedserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedserve.entrypoints.openai.request_limits import RequestLimits
 from pagedserve.entrypoints.openai.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -65,6 +67,10 @@ class ServerSettings:
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     engine_shutdown_timeout: float = 5.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    allowed_hosts: frozenset[str] | None = None
+    """``Host`` names answered (without the port); None: any."""
     on_fatal: Callable[[str], None] = field(default=lambda reason: None)
     """Called when the engine fails to start: the server should exit."""
 
@@ -125,6 +131,9 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(  # the outermost
+        RequestGuard, body_timeout=settings.body_timeout, allowed_hosts=settings.allowed_hosts
+    )
     add_web_routes(app)
     app.include_router(_open_routes(engine, metrics))
     auth = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
@@ -137,12 +146,12 @@ def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
+    async def health() -> dict[str, str]:
         if engine.state is EngineState.READY:
-            return Response(status_code=HTTPStatus.OK)
+            return {"status": "ok"}
         code = _HEALTH_CODES.get(engine.state, "engine_dead")
         reason = engine.dead_reason or f"the engine is {engine.state.value}"
-        return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, reason, code=code).response()
+        raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, reason, code=code)
 
     @router.get("/version")
     async def version() -> dict[str, str]:
@@ -158,8 +167,8 @@ def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
 def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     router = APIRouter()
     names = settings.served_model_names
-    completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    completions = OpenAIServingCompletion(engine, names, settings.limits)
+    chat = OpenAIServingChat(engine, names, settings.limits)
 
     @router.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -191,7 +200,7 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         check_model(request.model, names)
         with engine_errors():
-            tokens = _tokenize(engine, request)
+            tokens = await _tokenize(engine, request)
         strs = engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strs
@@ -215,13 +224,12 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     return router
 
 
-def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
+async def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
     engine.check_ready()
     if (request.prompt is None) == (request.messages is None):
         raise ValueError("prompt: give exactly one of prompt and messages")
-    if request.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        return engine.render_chat(messages, request.add_generation_prompt)["prompt_token_ids"]
-    return list(
-        engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-    )
+    if request.prompt is not None:
+        return await engine.encode_async("prompt", request.prompt, request.add_special_tokens)
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages or []]
+    rendered = await engine.render_chat_async(messages, request.add_generation_prompt)
+    return rendered["prompt_token_ids"]

@@ -137,6 +137,11 @@ class ServerMetrics:
         for seconds in queue_times:
             self.queue_time.observe(seconds)
 
+    def on_engine_dead(self) -> None:
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(0.0)
+
     def on_first_token(self, ttft: float) -> None:
         self.ttft.observe(ttft)
 

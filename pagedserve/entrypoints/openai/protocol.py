@@ -7,17 +7,40 @@ vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepte
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+from pagedserve.engine.input_processor import check_unicode
 from pagedserve.sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 64
+MAX_TEMPERATURE = 100.0
+"""Far past where sampling is uniform noise; a larger one would overflow to infinity in
+float32 and turn masked logits into NaN."""
 
-TokenId = Annotated[int, Field(ge=0)]
+NULL_MEANS_DEFAULT = frozenset({
+    "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens", "logprobs", "add_generation_prompt",
+})
+"""Fields whose explicit null means their default (``_or_null`` says so in the schema)."""
+
+
+def _or_null(schema: dict[str, Any]) -> None:
+    """``json_schema_extra`` of a ``NULL_MEANS_DEFAULT`` field: its schema also allows null.
+    The field itself is typed without None: a null never reaches it (``_null_means_default``
+    drops it before validation, so the default applies)."""
+    kept: dict[str, Any] = {k: schema.pop(k) for k in ("default", "description", "title")
+                            if k in schema}
+    inner = dict(schema)
+    schema.clear()
+    schema.update(kept)
+    schema["anyOf"] = [inner, {"type": "null"}]
+
+TokenId = Annotated[int, Field(ge=0), Strict()]
+"""Strict: ``true`` is not the token id 1, nor ``"5"`` the id 5."""
 StopField = Annotated[
     str | list[str] | None,
     Field(
@@ -33,14 +56,21 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions.
+
+    An explicit ``null`` means the field's default, as in OpenAI's API (``n: null`` is
+    ``n: 1``), for the fields in ``NULL_MEANS_DEFAULT`` (``max_tokens: null`` keeps its own
+    meaning: up to the context length).
+    """
 
     # Python's JSON parser accepts NaN and Infinity: refuse them in every float field.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, description="Served model name; defaults to the only model.")
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, description="Default 1.0; 0 is greedy.")
+    n: int = Field(1, ge=1, le=MAX_N, json_schema_extra=_or_null)
+    temperature: float | None = Field(
+        None, ge=0.0, le=MAX_TEMPERATURE, description="Default 1.0; 0 is greedy."
+    )
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -49,17 +79,17 @@ class SamplingFields(BaseModel):
         None, description="Token id (as a string) -> bias added to its logit."
     )
     stop: StopField = None
-    stream: bool = False
+    stream: bool = Field(False, json_schema_extra=_or_null)
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras.
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: off.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0, json_schema_extra=_or_null)
+    ignore_eos: bool = Field(False, json_schema_extra=_or_null)
+    include_stop_str_in_output: bool = Field(False, json_schema_extra=_or_null)
+    skip_special_tokens: bool = Field(True, json_schema_extra=_or_null)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     # pagedserve's extra.
     timeout: float | None = Field(
@@ -68,6 +98,13 @@ class SamplingFields(BaseModel):
         description="Seconds from arrival (queueing included) after which the request is "
         "aborted: 408 with code request_timeout, or that error as the last event of a stream.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +154,11 @@ class SamplingFields(BaseModel):
         )
 
 
-PromptField = str | list[str] | list[TokenId] | list[list[TokenId]]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptField = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[
+    list[TokenIds], Field(min_length=1)
+]
 
 
 class CompletionRequest(SamplingFields):
@@ -127,10 +168,22 @@ class CompletionRequest(SamplingFields):
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
     max_tokens: int | None = Field(16, ge=1, description="null: up to the context length.")
-    echo: bool = Field(False, description="Return the prompt in front of the completion.")
+    echo: bool = Field(False, description="Return the prompt in front of the completion.",
+                       json_schema_extra=_or_null)
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Top log-probabilities per token (legacy format)."
     )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_text(cls, prompt: object) -> object:
+        """Before the type check, which would call a lone surrogate "not a valid string"."""
+        for text in [prompt] if isinstance(prompt, str) else prompt if isinstance(
+            prompt, list
+        ) else []:
+            if isinstance(text, str):
+                check_unicode("prompt", text)
+        return prompt
 
     @field_validator("prompt")
     @classmethod
@@ -187,14 +240,15 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="null: up to the context length."
     )
-    logprobs: bool = False
+    logprobs: bool = Field(False, json_schema_extra=_or_null)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = Field(
         False,
         description="Prepend the last message's content when it is the "
         "assistant's (vLLM's chat echo).",
+        json_schema_extra=_or_null,
     )
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(True, json_schema_extra=_or_null)
 
     def chat_dicts(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them."""

@@ -17,6 +17,7 @@ from pagedserve.engine.async_llm import AsyncLLM, RequestStream
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.entrypoints.openai.logprobs import chat_logprobs
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedserve.entrypoints.openai.request_limits import RequestLimits
 from pagedserve.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,19 +45,27 @@ from pagedserve.outputs import CompletionOutput, RequestOutputKind
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.limits = limits
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw: Request
     ) -> Response:
         model = check_model(request.model, self.served_model_names)
         request_id = random_id("chatcmpl")
-        with engine_errors():
+        self.limits.check_chat(request)
+        # The engine says max_tokens; the client may have sent max_completion_tokens.
+        names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
+        with engine_errors(names):
             params = request.to_sampling_params()
-            prompt = self.engine.render_chat(request.chat_dicts(), request.add_generation_prompt)
-            processed = self.engine.process_inputs(prompt, params, request_id)
+            prompt = await self.engine.render_chat_async(
+                request.chat_dicts(), request.add_generation_prompt
+            )
+            processed = await self.engine.process_inputs_async(prompt, params, request_id)
         if not request.stream:
             return await cancel_on_disconnect(raw, self._full(request, model, processed))
         with engine_errors():

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from http import HTTPStatus
 
@@ -53,8 +54,11 @@ def check_model(model: str | None, served_model_names: list[str]) -> str:
     return model
 
 
-def to_openai_error(exc: BaseException) -> OpenAIError | None:
-    """The HTTP error for an engine-side failure, or None for an exception that is a bug."""
+def to_openai_error(
+    exc: BaseException, field_names: dict[str, str] | None = None
+) -> OpenAIError | None:
+    """The HTTP error for an engine-side failure, or None for an exception that is a bug.
+    ``field_names``: engine field -> the request field the client sent (for this request)."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineNotReadyError):
@@ -82,21 +86,25 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
             HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is not running: {exc}", code="engine_dead"
         )
     if isinstance(exc, ValueError):
+        names = {**_API_FIELDS, **(field_names or {})}
         message = str(exc)
+        for engine_name, api_name in (field_names or {}).items():
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
         code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
-        param = param_from_message(message)
-        field = None if param is None else _API_FIELDS.get(param, param)
+        param = param_from_message(str(exc))
+        field = None if param is None else names.get(param, param)
         return bad_request(message, param=field, code=code)
     return None
 
 
 @contextlib.contextmanager
-def engine_errors() -> Iterator[None]:
-    """Re-raise engine and validation failures as ``OpenAIError``."""
+def engine_errors(field_names: dict[str, str] | None = None) -> Iterator[None]:
+    """Re-raise engine and validation failures as ``OpenAIError`` (``field_names``: see
+    ``to_openai_error``)."""
     try:
         yield
     except Exception as exc:
-        err = to_openai_error(exc)
+        err = to_openai_error(exc, field_names)
         if err is None or err is exc:
             raise
         raise err from exc

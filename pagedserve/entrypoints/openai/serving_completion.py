@@ -18,6 +18,7 @@ from pagedserve.engine.async_llm import AsyncLLM, RequestStream
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.entrypoints.openai.logprobs import append_completion_logprobs
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
+from pagedserve.entrypoints.openai.request_limits import RequestLimits
 from pagedserve.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
@@ -42,17 +43,21 @@ from pagedserve.outputs import CompletionOutput, RequestOutput, RequestOutputKin
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.limits = limits
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
         request_id = random_id("cmpl")
+        self.limits.check_completion(request)
         with engine_errors():
             params = request.to_sampling_params()
             processed = [
-                self.engine.process_inputs(prompt, params, f"{request_id}-{i}")
+                await self.engine.process_inputs_async(prompt, params, f"{request_id}-{i}")
                 for i, prompt in enumerate(request.prompts())
             ]
         if not request.stream:

@@ -14,7 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import ServerProcess
+from tests.entrypoints.openai.server_utils import ServerProcess, metric_value
+
+RUNNING = "pagedserve:num_requests_running"
+KV_USAGE = "pagedserve:kv_cache_usage_perc"
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,7 @@ def test_killed_engine_fails_requests_and_health(
     reader = threading.Thread(target=_stream_events, args=(own_server, model_name, events, first))
     reader.start()
     assert first.wait(60), "no token streamed"
+    assert metric_value(own_server.url, RUNNING) == 1 and metric_value(own_server.url, KV_USAGE)
     os.kill(own_server.engine_pid(), signal.SIGKILL)
     killed_at = time.monotonic()
     reader.join(10)
@@ -75,6 +79,8 @@ def test_killed_engine_fails_requests_and_health(
         json={"model": model_name, "prompt": "Hello", "max_tokens": 2},
     )
     assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    # Nothing runs any more: the gauges say so instead of keeping their last values.
+    assert metric_value(own_server.url, RUNNING) == 0 == metric_value(own_server.url, KV_USAGE)
     # The API process itself is alive and answers the open routes.
     assert httpx.get(f"{own_server.url}/version", timeout=10).status_code == 200
 

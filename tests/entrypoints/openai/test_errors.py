@@ -198,7 +198,8 @@ def test_openapi_schema_states_what_is_accepted(server: ServerProcess) -> None:
     assert props["temperature"]["anyOf"][0]["minimum"] == 0.0
     top_p = props["top_p"]["anyOf"][0]
     assert top_p["exclusiveMinimum"] == 0.0 and top_p["maximum"] == 1.0
-    assert props["n"]["minimum"] == 1 and props["n"]["maximum"] == 128
+    n = props["n"]["anyOf"][0]  # or null: the default
+    assert n["minimum"] == 1 and n["maximum"] == 128
     for extra in (
         "top_k",
         "min_p",

@@ -1,0 +1,53 @@
+"""Start-up and exposure: a busy port fails at once (before the engine starts), a server open
+to the network without a key says so, Host names are checked, /metrics shows no file path."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.entrypoints.openai.server_utils import REPO_ROOT, ServerProcess, metric_value
+from tests.entrypoints.openai.test_errors import AUTH
+
+BUSY_PORT_LIMIT_S = 30.0
+"""The CLI's imports (seconds on a busy machine), then the failed bind."""
+
+
+def _serve_on_busy_port(model_dir: Path, host: str) -> tuple[subprocess.CompletedProcess, float]:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model_dir),
+             "--host", host, "--port", str(port), "--dtype", "float32"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        )
+        return done, time.monotonic() - start
+
+
+def test_busy_port_fails_at_once_and_an_open_host_without_key_warns(tiny_model_dir: Path):
+    done, elapsed = _serve_on_busy_port(tiny_model_dir, "0.0.0.0")
+    assert "listening on 0.0.0.0 without --api-key" in done.stderr, done.stderr
+    assert done.returncode == 1 and "cannot listen on 0.0.0.0" in done.stderr, done.stderr
+    assert elapsed < BUSY_PORT_LIMIT_S and "engine" not in done.stderr.lower()
+
+
+def test_host_header_is_checked_on_loopback(server: ServerProcess):
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]"):
+        response = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Host": host})
+        assert response.status_code == 200, (host, response.text)
+    rebound = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "Host": "evil.example"})
+    assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+
+
+def test_metrics_show_no_model_path(server: ServerProcess, tiny_model_dir: Path):
+    metric_value(server.url, "pagedserve:num_requests_running")  # the series exists
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert str(tiny_model_dir) not in text and f'model_name="{tiny_model_dir.name}"' in text
