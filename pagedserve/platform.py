@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -145,3 +146,27 @@ def configure_process(device: str | torch.device) -> None:
     threads = configure_cpu_threads()
     allocator = "tuned" if configure_cpu_allocator() else "default (mallopt missing or refused)"
     logger.info("CPU start-up: %d torch threads, malloc %s", threads, allocator)
+
+
+Fp8Backend = Literal["scaled_mm", "dequantize"]
+FP8_MIN_CAPABILITY = (8, 9)
+"""The first NVIDIA compute capability with FP8 tensor cores (Ada; Hopper is 9.0)."""
+
+
+def fp8_linear_backend(device: torch.device) -> Fp8Backend:
+    """How FP8 linear layers compute on ``device``: ``"scaled_mm"`` (FP8 tensor cores through
+    ``torch._scaled_mm``) on CUDA GPUs of compute capability 8.9 and up, ``"dequantize"``
+    (FP8 storage, the matmul in the compute dtype) on the CPU and the ``meta`` device.
+    ValueError for a GPU without FP8 tensor cores and any other device."""
+    if device.type in ("cpu", "meta"):
+        return "dequantize"
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= FP8_MIN_CAPABILITY:
+            return "scaled_mm"
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"quantization: FP8 needs FP8 tensor cores (compute capability 8.9 or newer); "
+            f"{name} is {capability[0]}.{capability[1]}"
+        )
+    raise ValueError(f"quantization: FP8 is not supported on device {device.type!r}")

@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.kernels import gemv
+from pagedserve.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedserve.model.llama import (
     LayerTypes,
     LlamaDecoderLayer,
@@ -51,9 +52,24 @@ def _foreign_layer(layer: nn.Module, types: LayerTypes) -> str | None:
     return None
 
 
+def _quantized_linear(model: nn.Module) -> str | None:
+    """The first linear layer whose weight is not in the compute dtype (the kernels read the
+    weights as the activations' dtype; an FP8 variant does not exist yet)."""
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and not isinstance(
+            module.linear_method, UnquantizedLinearMethod
+        ):
+            return f"{name} has {type(module.linear_method).__name__} weights (the kernels read " \
+                "unquantized ones)"
+    return None
+
+
 def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None:
     """Why ``model`` cannot run on these kernels with the layer types it declares (None: it
     can)."""
+    quantized = _quantized_linear(model)
+    if quantized is not None:
+        return quantized
     if model.tp.size != 1:
         return "tensor parallelism (o_proj and down_proj need an all-reduce before the residual)"
     for layer in model.model.layers:
