@@ -103,3 +103,16 @@ def test_configure_process_leaves_gpu_processes_alone(monkeypatch: pytest.Monkey
 
 def test_usable_cpu_cores_is_positive() -> None:
     assert platform.usable_cpu_cores() >= 1
+
+
+def test_fp8_linear_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU dequantizes; an FP8 GPU uses tensor cores; an older GPU is refused by name."""
+    assert platform.fp8_linear_backend(torch.device("cpu")) == "dequantize"
+    assert platform.fp8_linear_backend(torch.device("meta")) == "dequantize"
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert platform.fp8_linear_backend(cuda) == "scaled_mm"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"quantization: FP8 .*NVIDIA A100 is 8\.0"):
+        platform.fp8_linear_backend(cuda)
