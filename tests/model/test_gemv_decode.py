@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pagedserve.layers.linear import UNQUANTIZED  # noqa: E402
 from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason  # noqa: E402
 from pagedserve.model.llama import LLAMA_LAYERS, LlamaForCausalLM, LlamaMLP  # noqa: E402
 from pagedserve.model.registry import get_model_class  # noqa: E402
@@ -122,7 +123,7 @@ class LlamaWithGeluMLP(LlamaForCausalLM):
     def __init__(self, hf_config: object, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(hf_config, dtype, device)
         for layer in self.model.layers:
-            layer.mlp = GatedGeluMLP(hf_config, dtype, device, self.tp)
+            layer.mlp = GatedGeluMLP(hf_config, dtype, device, self.tp, UNQUANTIZED)
 
 
 def test_a_subclass_with_another_mlp_gets_no_gemv_forward(tmp_path) -> None:
