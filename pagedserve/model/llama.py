@@ -271,8 +271,8 @@ class LlamaForCausalLM(nn.Module):
     def one_token_forward(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """``(input_ids [1], positions [1]) -> hidden_states [1, hidden]`` on the fused GEMV
         kernels (``model/gemv_decode.py``; Triton, for CUDA), or None where they do not fit
-        this model (its layers are not exactly ``one_token_layers``, FP8 weights, tensor
-        parallelism, a head_dim off the kernels' tile; the reason is logged): the compiled forward then
+        this model (its layers are not exactly ``one_token_layers``, tensor parallelism, a
+        head_dim off the kernels' tile; the reason is logged). FP8 weights are read as FP8.: the compiled forward then
         serves one-token steps."""
         from pagedserve.model.gemv_decode import gemv_decode_forward  # Triton: on use only
 

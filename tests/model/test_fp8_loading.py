@@ -11,10 +11,10 @@ import torch
 from transformers import PreTrainedModel
 
 from pagedserve.config import ModelConfig
-from pagedserve.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedserve.layers.linear import LinearBase
 from pagedserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8OnlineLinearMethod
 from pagedserve.layers.quantization.fp8_ops import FP8_DTYPE, dequantize_rows
-from pagedserve.model.gemv_decode import unsupported_reason
+from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
 from pagedserve.model.loader import load_model
 from tests.model.fp8_checkpoints import FORMATS, INPUT_SCALE, LINEARS, write_fp8_checkpoint
 from tests.model.hf_tiny import make_hf_model
@@ -164,17 +164,13 @@ def test_dummy_weights_of_an_fp8_checkpoint_are_quantized_at_load(tmp_path: Path
         assert layer.weight.dtype == FP8_DTYPE
 
 
-def test_fp8_model_has_no_gemv_forward(tmp_path: Path) -> None:
-    """The fused GEMV kernels read unquantized weights: an FP8 model keeps its one-token
-    steps on the compiled forward."""
+def test_fp8_model_runs_one_token_steps_on_the_gemv_kernels(tmp_path: Path) -> None:
+    """The fused GEMV kernels read FP8 weights with their row scales
+    (``tests/model/test_gemv_decode.py`` compares their outputs)."""
     tiny_hf_llama().config.save_pretrained(tmp_path)
-    plain = load(tmp_path, load_format="dummy")
     fp8 = load(tmp_path, load_format="dummy", quantization="fp8")
-    assert all(isinstance(m.linear_method, UnquantizedLinearMethod)
-               for m in linear_layers(plain).values())
-    reason = unsupported_reason(fp8, fp8.one_token_layers)
-    assert reason is not None and "Fp8OnlineLinearMethod" in reason
-    assert fp8.one_token_forward() is None
+    assert unsupported_reason(fp8, fp8.one_token_layers) is None
+    assert isinstance(fp8.one_token_forward(), GemvDecodeForward)
 
 
 def test_bf16_weight_in_an_fp8_checkpoint_is_named(tmp_path: Path) -> None:
