@@ -267,7 +267,8 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
         cos_sin, positions, slots, cache, k, n_out, eps, *cache_strides,
         BLOCK_SIZE=block_size, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim,
         EPILOGUE=epilogue, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_SCALE=weight_scale is not None, ADD_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_SCALE=weight_scale is not None, ADD_RESIDUAL=residual is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=use_pdl,
     )  # fmt: skip
 

@@ -272,8 +272,8 @@ class LlamaForCausalLM(nn.Module):
         """``(input_ids [1], positions [1]) -> hidden_states [1, hidden]`` on the fused GEMV
         kernels (``model/gemv_decode.py``; Triton, for CUDA), or None where they do not fit
         this model (its layers are not exactly ``one_token_layers``, tensor parallelism, a
-        head_dim off the kernels' tile; the reason is logged). FP8 weights are read as FP8.: the compiled forward then
-        serves one-token steps."""
+        head_dim off the kernels' tile; the reason is logged): the compiled forward then
+        serves one-token steps. FP8 weights are read as they are stored, with their scales."""
         from pagedserve.model.gemv_decode import gemv_decode_forward  # Triton: on use only
 
         return gemv_decode_forward(self, self.one_token_layers)

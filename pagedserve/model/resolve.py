@@ -20,7 +20,7 @@ from pagedserve.config import DEFAULT_MODEL, ModelConfig
 from pagedserve.layers.quantization.fp8 import Fp8Scheme
 from pagedserve.model.gguf_config import GGUFMetadata, hf_config_from_metadata, open_gguf
 from pagedserve.model.hub import is_repo_id, snapshot_folder
-from pagedserve.model.quantization import checkpoint_scheme
+from pagedserve.model.quantization import MODELOPT_CONFIG, checkpoint_scheme
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
@@ -152,10 +152,13 @@ def _load_hf_config(folder: Path) -> PretrainedConfig:
 def checkpoint_quantization(hf_config: PretrainedConfig, folder: Path) -> Fp8Scheme | None:
     """The FP8 scheme of the checkpoint's ``quantization_config`` (None: not quantized); any
     other quantization is refused by its method's name (``model/quantization.py``)."""
+    source = folder / "config.json"
+    if not getattr(hf_config, "quantization_config", None) and (folder / MODELOPT_CONFIG).is_file():
+        source = folder / MODELOPT_CONFIG
     try:
         return checkpoint_scheme(hf_config, folder)
     except ValueError as e:
-        raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+        raise CheckpointError(f"{source}: {e}") from e
 
 
 def resolve_model(

@@ -65,6 +65,11 @@ def test_modelopt_config_beside_config_json(tmp_path: Path) -> None:
     assert checkpoint_scheme(_config(None), tmp_path) == Fp8Scheme("modelopt", "tensor",
                                                                     "static")
     assert checkpoint_scheme(_config(None)) is None
+    _config(None).save_pretrained(tmp_path)
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps({"quantization": {**MODELOPT, "quant_algo": "W4A8_AWQ"}}))
+    with pytest.raises(CheckpointError, match="hf_quant_config.json: .*quant_algo 'W4A8_AWQ'"):
+        resolve_model(str(tmp_path), load_format="dummy")
 
 
 @pytest.mark.parametrize(
