@@ -14,6 +14,7 @@ from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.quantization.fp8_ops import dequantize_rows, quantize_rows
 from pagedserve.layers.rotary import get_rope
+from pagedserve.platform import FP8_MIN_CAPABILITY
 
 DT = torch.bfloat16
 EPS = 1e-5
@@ -114,12 +115,19 @@ def test_bad_inputs_name_the_argument() -> None:
             torch.zeros(1, dtype=torch.int64, device=DEVICE), cache, 4)
 
 
+FP8_KERNELS = pytest.mark.skipif(
+    DEVICE.type == "cuda" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY,
+    reason="Triton's float8_e4m3fn needs compute capability 8.9",
+)
+
+
 def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float8 weight, fp32 scale per row, the dequantized weight in fp32)."""
     q, scale = quantize_rows(w)
     return q, scale, dequantize_rows(q, scale)
 
 
+@FP8_KERNELS
 @pytest.mark.parametrize("config", [CONFIGS[0], None])
 def test_fp8_weights_are_read_with_their_row_scales(config: gemv.GemvConfig | None) -> None:
     """Each kernel on FP8 weights against the torch layers on the dequantized weights."""
@@ -135,6 +143,7 @@ def test_fp8_weights_are_read_with_their_row_scales(config: gemv.GemvConfig | No
     _close(got, SiluAndMul()(F.linear(norm(x), w.to(DT))))
 
 
+@FP8_KERNELS
 def test_fp8_qkv_rope_kv_write() -> None:
     hq, hkv, d, hidden = 4, 2, 32, 96
     rope = get_rope(d, 64, {"rope_type": "default", "rope_theta": 10000.0}, DT, DEVICE)
@@ -152,6 +161,7 @@ def test_fp8_qkv_rope_kv_write() -> None:
     _close(cache[1].reshape(-1, hkv * d)[9], want_v[0])
 
 
+@FP8_KERNELS
 def test_fp8_inputs_name_the_argument() -> None:
     w8, scale, _ = _fp8(_rand(16, 32))
     with pytest.raises(ValueError, match="expected torch.float8_e4m3fn"):

@@ -10,12 +10,14 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from pagedserve import LLM, SamplingParams
 from pagedserve.config import ModelConfig
 from pagedserve.layers.linear import LinearBase
 from pagedserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8OnlineLinearMethod
 from pagedserve.layers.quantization.fp8_ops import FP8_DTYPE, dequantize_rows
 from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
 from pagedserve.model.loader import load_model
+from pagedserve.platform import FP8_MIN_CAPABILITY
 from tests.model.fp8_checkpoints import FORMATS, INPUT_SCALE, LINEARS, write_fp8_checkpoint
 from tests.model.hf_tiny import make_hf_model
 from tests.model.paged_harness import greedy_generate
@@ -185,3 +187,37 @@ def test_bf16_weight_in_an_fp8_checkpoint_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(file))
     with pytest.raises(ValueError, match=f"{name}.*float8_e4m3fn.*bfloat16"):
         load(tmp_path)
+
+
+def _fp8_gpu() -> bool:
+    return (torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY)
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 tensor cores")
+def test_fp8_on_the_gpu_agrees_with_bf16_where_they_part(tmp_path: Path) -> None:
+    """The whole GPU path (FP8 GEMMs in compiled pieces and CUDA graphs, the FP8 GEMV for
+    batch-1 decode) against the bf16 engine: where greedy tokens first differ, each engine's
+    token is among the other's top 5."""
+    tiny_hf_llama().save_pretrained(tmp_path)
+    prompts = [[(7 * i + 13 * j) % 197 + 2 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    runs = {}
+    for quantization in (None, "fp8"):
+        llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", quantization=quantization,
+                  skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_num_seqs=8)
+        batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                             use_tqdm=False)
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        runs[quantization] = [out.outputs[0] for out in batch + alone]  # alone: batch 1
+        llm.engine_core.shutdown()
+    for bf16, fp8 in zip(runs[None], runs["fp8"], strict=True):
+        first = _first_divergence(bf16.token_ids, fp8.token_ids)
+        if first is not None:
+            assert bf16.logprobs is not None and fp8.logprobs is not None
+            assert fp8.token_ids[first] in bf16.logprobs[first]
+            assert bf16.token_ids[first] in fp8.logprobs[first]
