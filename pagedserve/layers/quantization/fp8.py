@@ -99,11 +99,6 @@ class Fp8OnlineLinearMethod:
     backend: Fp8Backend
     scheme: Fp8Scheme = ONLINE_SCHEME
 
-    def apply(
-        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return fp8_apply(layer, x, bias, self.backend, self.scheme.activation)
-
     def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
         layer.weight = new_parameter(layer.weight_shape, FP8_DTYPE, device,
                                      functools.partial(_quantize_on_load, layer))
@@ -112,6 +107,11 @@ class Fp8OnlineLinearMethod:
 
     def finish_loading(self, layer: LinearBase) -> None:
         return None
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return fp8_apply(layer, x, bias, self.backend, self.scheme.activation)
 
 
 def fp8_apply(
