@@ -66,7 +66,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], bias, dtype, device, tp.rank, tp.size, linear_method
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(device)
         self.down_proj = RowParallelLinear(
             inter, hidden, bias, dtype, device, tp.rank, tp.size, tp.all_reduce, linear_method
         )

@@ -28,7 +28,7 @@ from pagedserve.layers.quantization.fp8 import (
     Fp8OnlineLinearMethod,
     Fp8Scheme,
 )
-from pagedserve.platform import fp8_linear_backend
+from pagedserve.platform import platform_for
 
 MODELOPT_CONFIG = "hf_quant_config.json"
 SUPPORTED = "compressed-tensors (float8 weights), fp8, modelopt (quant_algo FP8)"
@@ -74,7 +74,7 @@ def linear_method_for(
     (``dummy``: random weights in the compute dtype), quantize at load."""
     if scheme is None and quantization is None:
         return UNQUANTIZED
-    backend = fp8_linear_backend(device)  # refuses a GPU without FP8 tensor cores
+    backend = platform_for(device).fp8_linear_backend()  # refuses GPUs without FP8
     if scheme is None or dummy:
         return Fp8OnlineLinearMethod(backend)
     return Fp8LinearMethod(scheme, backend)

@@ -56,7 +56,7 @@ def test_rmsnorm_gate_up_silu(config: gemv.GemvConfig | None, with_bias: bool) -
     bias = _rand(2 * inter) if with_bias else None
     got = gemv.rmsnorm_gate_up_silu(x, norm.weight, EPS, w, bias, config=config)
     assert got.shape == (1, inter)
-    _close(got, SiluAndMul()(F.linear(norm(x), w, bias)))
+    _close(got, SiluAndMul(DEVICE)(F.linear(norm(x), w, bias)))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -140,7 +140,7 @@ def test_fp8_weights_are_read_with_their_row_scales(config: gemv.GemvConfig | No
     x = _rand(1, 128)
     w8, scale, w = _fp8(_rand(2 * inter, 128, scale=0.2))
     got = gemv.rmsnorm_gate_up_silu(x, norm.weight, EPS, w8, config=config, weight_scale=scale)
-    _close(got, SiluAndMul()(F.linear(norm(x), w.to(DT))))
+    _close(got, SiluAndMul(DEVICE)(F.linear(norm(x), w.to(DT))))
 
 
 @FP8_KERNELS

@@ -11,7 +11,7 @@ their rows once loaded, which is exact, so no shard is requantized to a common s
 tensor parallelism a per-channel scale splits with its weight's rows; a row-parallel layer
 keeps every row, so its scales stay whole.
 
-How the matmul runs is the ``backend`` (``platform.fp8_linear_backend``): FP8 tensor cores
+How the matmul runs is the ``backend`` (``Platform.fp8_linear_backend``): FP8 tensor cores
 (activations quantized per token, or with the static scale: the largest of a fused layer's
 shards, as all of them see the same input) or, on the CPU, the weight dequantized into the
 compute dtype (``layers/quantization/fp8_ops.py``).
