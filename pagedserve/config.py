@@ -69,6 +69,10 @@ class ModelConfig:
     max_model_len: int | None = None
     """Context length; defaults to the model's ``max_position_embeddings``."""
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    quantization: Literal["fp8"] | None = None
+    """fp8: quantize the linear layers' weights to FP8 at load (a scale per output channel;
+    activations per token). None: as the checkpoint stores them (an FP8 checkpoint's
+    ``quantization_config`` loads without it)."""
     served_model_name: str | None = None
     revision: str | None = None
     """Branch, tag or commit of a hub model (``--model org/name``); None: the default branch."""

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -201,6 +201,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+Fp8Backend = Literal["scaled_mm", "dequantize"]
+FP8_MIN_CAPABILITY = (8, 9)
+"""The first NVIDIA compute capability with FP8 tensor cores (Ada; Hopper is 9.0)."""
+
+
 @dataclass(frozen=True)
 class Platform(abc.ABC):
     """What differs between the devices the engine runs on, for one ``device``.
@@ -311,6 +316,12 @@ class Platform(abc.ABC):
     def card_name(self) -> str | None:
         """The card's marketing name (None: no card)."""
 
+    @abc.abstractmethod
+    def fp8_linear_backend(self) -> Fp8Backend:
+        """How FP8 linear layers compute here (``layers/quantization/fp8.py``): ``scaled_mm``
+        on FP8 tensor cores, ``dequantize`` (FP8 storage, the matmul in the compute dtype).
+        ValueError where FP8 cannot run."""
+
 
 @dataclass(frozen=True)
 class CpuPlatform(Platform):
@@ -396,6 +407,9 @@ class CpuPlatform(Platform):
 
     def card_name(self) -> str | None:
         return None
+
+    def fp8_linear_backend(self) -> Fp8Backend:
+        return "dequantize"
 
 
 @dataclass(frozen=True)
@@ -484,6 +498,17 @@ class CudaPlatform(Platform):
 
     def card_name(self) -> str | None:
         return torch.cuda.get_device_name(self.device)
+
+    def fp8_linear_backend(self) -> Fp8Backend:
+        """``scaled_mm`` from compute capability 8.9 (Ada, Hopper) on; older cards have no FP8
+        tensor cores and are refused."""
+        capability = self.compute_capability()
+        if capability >= FP8_MIN_CAPABILITY:
+            return "scaled_mm"
+        raise ValueError(
+            f"quantization: FP8 needs FP8 tensor cores (compute capability 8.9 or newer); "
+            f"{self.card_name()} is {capability[0]}.{capability[1]}"
+        )
 
 
 _PLATFORMS: dict[str, type[Platform]] = {

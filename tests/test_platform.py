@@ -201,3 +201,16 @@ def test_cpu_zeros_cost_no_memory_up_front() -> None:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+def test_fp8_linear_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU dequantizes; an FP8 GPU uses tensor cores; an older GPU is refused by name."""
+    assert platform.platform_for("cpu").fp8_linear_backend() == "dequantize"
+    assert platform.platform_for("meta").fp8_linear_backend() == "dequantize"
+    cuda = platform.platform_for(CUDA)
+    monkeypatch.setattr(platform.CudaPlatform, "card_name", lambda self: "NVIDIA A100")
+    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (9, 0))
+    assert cuda.fp8_linear_backend() == "scaled_mm"
+    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
+    with pytest.raises(ValueError, match=r"quantization: FP8 .*NVIDIA A100 is 8\.0"):
+        cuda.fp8_linear_backend()

@@ -22,6 +22,7 @@ from torch import nn
 
 import pagedserve
 from pagedserve.compilation.aot_artifact import FORMAT_VERSION
+from pagedserve.layers.linear import LinearBase
 
 PACKAGE_DIR = Path(pagedserve.__file__).resolve().parent
 TRACED_SOURCES = ("model", "layers", "attention/layer.py", "distributed/parallel_state.py")
@@ -66,6 +67,12 @@ def _tensor_parallel(model: nn.Module) -> list[Any]:
     return [tp.rank, tp.size, tp.group_name]
 
 
+def _linear_methods(model: nn.Module) -> list[str]:
+    """How the linear layers hold their weights (an FP8 model of a bf16 checkpoint has the
+    bf16 model's config and first parameter, but not its graph)."""
+    return sorted({repr(m.linear_method) for m in model.modules() if isinstance(m, LinearBase)})
+
+
 def _input_meta(inputs: tuple[torch.Tensor, ...]) -> list[str]:
     return [f"{t.dtype}/{t.dim()}d/{t.device.type}" for t in inputs]
 
@@ -80,6 +87,7 @@ def key_factors(model: nn.Module, piece_compiler: str,
         "dtype": str(weight.dtype),
         "device_type": weight.device.type,
         "tensor_parallel": _tensor_parallel(model),
+        "linear_methods": _linear_methods(model),
         "piece_compiler": piece_compiler,
         "inputs": _input_meta(inputs),
         "pagedserve": pagedserve.__version__,

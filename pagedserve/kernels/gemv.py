@@ -14,7 +14,9 @@ its weight rows once and does the small work before and after it:
   stores queries to ``q_out``, keys and values straight into the paged cache).
 
 ``x`` is one row [1, K] (a decode step of one token: batch 1); weights are nn.Linear's [N, K],
-row-major. Sums are fp32, outputs the weight's dtype. On Hopper each kernel is launched with
+row-major, in x's dtype, or float8_e4m3fn with an fp32 ``weight_scale`` per row (FP8 weights:
+half the bytes to read; each row's sum is scaled once, the activation stays unquantized).
+Sums are fp32, outputs x's dtype. On Hopper each kernel is launched with
 programmatic dependent launch: it starts, and fetches its first weight tile, while the kernel
 before it finishes, then waits for that kernel's writes (``gdc_wait``) before reading its
 input. (Only a GEMV before it lets it start early: gate/up, down and the next layer's QKV
@@ -65,6 +67,7 @@ def _gemv_kernel(
     w_ptr,  # [N_rows, K] weight
     out_ptr,  # [N_out] (STORE, SILU_MUL) or queries [NUM_Q * HEAD_DIM] (ROPE_KV)
     bias_ptr,  # [N_rows] or unused
+    scale_ptr,  # fp32 [N_rows]: FP8 weights' scale per row (HAS_SCALE) or unused
     res_ptr,  # [N_out] residual (ADD_RESIDUAL) or unused
     norm_ptr,  # [K] RMSNorm weight (NORM) or unused
     cos_sin_ptr,  # [max_position, HEAD_DIM]: cos half | sin half (ROPE_KV)
@@ -84,6 +87,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -137,6 +141,10 @@ def _gemv_kernel(
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
         acc_a = acc_a * rstd
         acc_b = acc_b * rstd
+    if HAS_SCALE:  # FP8 weights: w = w_fp8 * scale[row], so each row's sum scales once
+        acc_a = acc_a * tl.load(scale_ptr + rows_a, mask=col_mask, other=0.0)
+        if PAIRED:
+            acc_b = acc_b * tl.load(scale_ptr + rows_b, mask=col_mask, other=0.0)
     if HAS_BIAS:
         acc_a += tl.load(bias_ptr + rows_a, mask=col_mask, other=0.0).to(tl.float32)
         if PAIRED:
@@ -202,22 +210,30 @@ def uses_pdl(device: torch.device) -> bool:
     return platform_for(device).compute_capability() >= (9, 0)
 
 
-def _check_row(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_row(x: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: expected "
                          "one row [1, K] and [N, K]")
     if not x.is_contiguous() or not weight.is_contiguous():
         raise ValueError("x and weight must be contiguous")
-    if x.dtype != weight.dtype or x.device != weight.device:
+    weight_dtype = x.dtype if weight_scale is None else torch.float8_e4m3fn
+    if weight.dtype != weight_dtype or x.device != weight.device:
         raise ValueError(f"x is {x.dtype} on {x.device}, weight {weight.dtype} on "
-                         f"{weight.device}")
+                         f"{weight.device} (expected {weight_dtype})")
+    if weight_scale is not None and (
+        weight_scale.dtype != torch.float32 or weight_scale.numel() != weight.shape[0]
+        or not weight_scale.is_contiguous()
+    ):
+        raise ValueError(f"weight_scale: expected {weight.shape[0]} contiguous fp32 values, "
+                         f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
 
 
 def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
             n_out: int, epilogue: tl.constexpr, config: GemvConfig | None,
             bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            rope: tuple | None = None) -> None:
+            rope: tuple | None = None, weight_scale: torch.Tensor | None = None) -> None:
     """One program per ``block_n`` of the ``num_cols`` output columns (or pairs)."""
     k = x.shape[1]
     for name, t, numel in (("bias", bias, weight.shape[0]), ("residual", residual, n_out),
@@ -239,40 +255,46 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
     _gemv_kernel[(triton.cdiv(num_cols, cfg.block_n),)](
         x, weight, out,
         out if bias is None else bias,
+        out if weight_scale is None else weight_scale,
         out if residual is None else residual,
         out if norm_weight is None else norm_weight,
         cos_sin, positions, slots, cache, k, n_out, eps, *cache_strides,
         BLOCK_SIZE=block_size, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim,
         EPILOGUE=epilogue, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        ADD_RESIDUAL=residual is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_SCALE=weight_scale is not None, ADD_RESIDUAL=residual is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=use_pdl,
     )  # fmt: skip
 
 
 def linear_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None,
-               config: GemvConfig | None = None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T (+ bias [N]) (+ residual [1, N]) -> [1, N]."""
-    _check_row(x, weight)
+               config: GemvConfig | None = None, *,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T (+ bias [N]) (+ residual [1, N]) -> [1, N]. ``weight_scale``
+    fp32 [N]: the weight is float8_e4m3fn, each row times its scale (module docstring)."""
+    _check_row(x, weight, weight_scale)
     n = weight.shape[0]
-    out = torch.empty((1, n), dtype=weight.dtype, device=x.device)
-    _launch(n, x, weight, out, n, EPILOGUE_STORE, config, bias=bias, residual=residual)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _launch(n, x, weight, out, n, EPILOGUE_STORE, config, bias=bias, residual=residual,
+            weight_scale=weight_scale)
     return out
 
 
 def rmsnorm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                          gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: GemvConfig | None = None) -> torch.Tensor:
+                         config: GemvConfig | None = None, *,
+                         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(g) * u with [g | u] = RMSNorm(x) @ gate_up_weight^T: x [1, K], weight [2 I, K]
-    -> [1, I]."""
-    _check_row(x, gate_up_weight)
+    -> [1, I]. ``weight_scale``: as ``linear_row``'s."""
+    _check_row(x, gate_up_weight, weight_scale)
     if gate_up_weight.shape[0] % 2:
         raise ValueError(f"gate_up_weight: {gate_up_weight.shape[0]} rows, expected gate and "
                          "up halves of equal size")
     inter = gate_up_weight.shape[0] // 2
-    out = torch.empty((1, inter), dtype=gate_up_weight.dtype, device=x.device)
+    out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
     _launch(inter, x, gate_up_weight, out, inter, EPILOGUE_SILU_MUL, config, bias=bias,
-            norm_weight=norm_weight, eps=eps)
+            norm_weight=norm_weight, eps=eps, weight_scale=weight_scale)
     return out
 
 
@@ -288,23 +310,25 @@ def rmsnorm_qkv_rope_kv_write(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, NUM_KV, D]
     num_heads: int,
     config: GemvConfig | None = None,
+    *,
+    weight_scale: torch.Tensor | None = None,  # fp32 [rows of qkv_weight]: as linear_row's
 ) -> torch.Tensor:
     """Queries [1, NUM_Q * D], rotated; the key (rotated) and value land in ``kv_cache``."""
-    _check_row(x, qkv_weight)
+    _check_row(x, qkv_weight, weight_scale)
     check_kv_cache(kv_cache)
     num_kv, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     if qkv_weight.shape[0] != (num_heads + 2 * num_kv) * head_dim:
         raise ValueError(f"qkv_weight: {qkv_weight.shape[0]} rows, expected "
                          f"({num_heads} + 2 * {num_kv}) * {head_dim}")
-    if not kv_cache.is_contiguous() or kv_cache.dtype != qkv_weight.dtype:
-        raise ValueError("kv_cache: must be contiguous and of the weight's dtype")
+    if not kv_cache.is_contiguous() or kv_cache.dtype != x.dtype:
+        raise ValueError("kv_cache: must be contiguous and of x's dtype")
     if cos_sin_cache.shape[1] != head_dim or not cos_sin_cache.is_contiguous():
         raise ValueError(f"cos_sin_cache: expected contiguous [max_position, {head_dim}]")
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slot_mapping must be int64")
-    q = torch.empty((1, num_heads * head_dim), dtype=qkv_weight.dtype, device=x.device)
+    q = torch.empty((1, num_heads * head_dim), dtype=x.dtype, device=x.device)
     _launch(qkv_weight.shape[0] // 2, x, qkv_weight, q, 0, EPILOGUE_ROPE_KV, config,
             bias=bias, norm_weight=norm_weight, eps=eps,
             rope=(cos_sin_cache, positions, slot_mapping, kv_cache, num_heads, num_kv,
-                  head_dim))
+                  head_dim), weight_scale=weight_scale)
     return q

@@ -12,6 +12,10 @@ It re-implements one decoder layer, so it serves only the layer types it was wri
 model declares them (``one_token_layers`` in ``model/llama.py``), and a layer of another class
 (an MLP or attention subclass) leaves the model on the compiled forward.
 
+FP8 weights (both FP8 linear methods) are read as they are stored, half the bytes, each output
+row times its scale; the activations stay in the compute dtype (the compiled forward's FP8
+GEMMs quantize them per token, so the two agree to FP8 rounding of the activations).
+
 Residual stream: the compiled forward carries (sublayer output, residual) and adds them in the
 next norm; here the residual add happens in the epilogue of o_proj and down_proj, so ``h``
 below is always the full residual stream.
@@ -27,6 +31,8 @@ from torch import nn
 
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.kernels import gemv
+from pagedserve.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8OnlineLinearMethod
 from pagedserve.model.llama import (
     LayerTypes,
     LlamaDecoderLayer,
@@ -52,9 +58,34 @@ def _foreign_layer(layer: nn.Module, types: LayerTypes) -> str | None:
     return None
 
 
+GEMV_LINEAR_METHODS = (UnquantizedLinearMethod, Fp8LinearMethod, Fp8OnlineLinearMethod)
+"""Linear methods whose weights the kernels read: the compute dtype, or FP8 with a scale per
+output row (the ``weight_scale`` buffer of both FP8 methods)."""
+
+
+def _foreign_linear(model: nn.Module) -> str | None:
+    """The first linear layer whose weights the kernels cannot read."""
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and not isinstance(
+            module.linear_method, GEMV_LINEAR_METHODS
+        ):
+            return f"{name} has {type(module.linear_method).__name__} weights"
+    return None
+
+
+def _weight_scale(linear: LinearBase) -> torch.Tensor | None:
+    """fp32 [N] of a layer with FP8 weights; None for weights in the compute dtype."""
+    if isinstance(linear.linear_method, UnquantizedLinearMethod):
+        return None
+    return linear.get_buffer("weight_scale")
+
+
 def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None:
     """Why ``model`` cannot run on these kernels with the layer types it declares (None: it
     can)."""
+    foreign = _foreign_linear(model)
+    if foreign is not None:
+        return foreign
     if model.tp.size != 1:
         return "tensor parallelism (o_proj and down_proj need an all-reduce before the residual)"
     for layer in model.model.layers:
@@ -108,19 +139,21 @@ class GemvDecodeForward:
         attn = attn_block.attn
         if attn.kv_cache is None:
             raise RuntimeError(f"{attn.layer_name}: no KV cache bound")
-        norm = layer.input_layernorm
+        norm, qkv = layer.input_layernorm, attn_block.qkv_proj
         q = gemv.rmsnorm_qkv_rope_kv_write(
-            h, norm.weight, norm.eps, attn_block.qkv_proj.weight,
-            attn_block.qkv_proj.bias, self.cos_sin_cache, positions,
-            ctx.slot_mapping[attn.layer_name], attn.kv_cache, attn.num_heads)  # [1, Hq * D]
+            h, norm.weight, norm.eps, qkv.weight, qkv.bias, self.cos_sin_cache, positions,
+            ctx.slot_mapping[attn.layer_name], attn.kv_cache, attn.num_heads,
+            weight_scale=_weight_scale(qkv))  # [1, Hq * D]
         out = torch.empty_like(q)  # [1, Hq * D]
         heads = (1, attn.num_heads, attn.head_dim)
         attn.backend.forward(q.view(heads), attn.kv_cache, ctx.attn_metadata[attn.layer_name],
                              attn.scale, out.view(heads))
         o_proj = attn_block.o_proj
-        h = gemv.linear_row(out, o_proj.weight, o_proj.bias, residual=h)
-        norm = layer.post_attention_layernorm
-        act = gemv.rmsnorm_gate_up_silu(h, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                        mlp.gate_up_proj.bias)  # [1, I]
+        h = gemv.linear_row(out, o_proj.weight, o_proj.bias, residual=h,
+                            weight_scale=_weight_scale(o_proj))
+        norm, gate_up = layer.post_attention_layernorm, mlp.gate_up_proj
+        act = gemv.rmsnorm_gate_up_silu(h, norm.weight, norm.eps, gate_up.weight, gate_up.bias,
+                                        weight_scale=_weight_scale(gate_up))  # [1, I]
         down = mlp.down_proj
-        return gemv.linear_row(act, down.weight, down.bias, residual=h)
+        return gemv.linear_row(act, down.weight, down.bias, residual=h,
+                               weight_scale=_weight_scale(down))

@@ -21,6 +21,8 @@ from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGro
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import (
+    UNQUANTIZED,
+    LinearMethod,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -30,8 +32,10 @@ from pagedserve.layers.rotary import get_rope, rope_parameters_from_hf_config
 from pagedserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.model.weight_mapping import load_checkpoint_weights
 
-# Non-parameter tensors that some checkpoints carry.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Non-parameter tensors that some checkpoints carry; FP8 checkpoints' KV-cache scales too (the
+# KV cache is in the model's dtype).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                     ".k_scale", ".v_scale")
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -51,7 +55,8 @@ class LlamaMLP(nn.Module):
     rows: one all-reduce per MLP."""
 
     def __init__(
-        self, hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup
+        self, hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup,
+        linear_method: LinearMethod,
     ) -> None:
         super().__init__()
         if hf_config.hidden_act != "silu":
@@ -59,11 +64,11 @@ class LlamaMLP(nn.Module):
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter, inter], bias, dtype, device, tp.rank, tp.size
+            hidden, [inter, inter], bias, dtype, device, tp.rank, tp.size, linear_method
         )
         self.act_fn = SiluAndMul(device)
         self.down_proj = RowParallelLinear(
-            inter, hidden, bias, dtype, device, tp.rank, tp.size, tp.all_reduce
+            inter, hidden, bias, dtype, device, tp.rank, tp.size, tp.all_reduce, linear_method
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +86,7 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup,
+        linear_method: LinearMethod,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -88,10 +94,12 @@ class LlamaAttention(nn.Module):
         head_dim = head_dim_of(hf_config)
         qkv_bias, o_bias = self.projection_biases(hf_config)
         self.qkv_proj = QKVParallelLinear(
-            hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device, tp.rank, tp.size
+            hidden, head_dim, num_heads, num_kv_heads, qkv_bias, dtype, device, tp.rank, tp.size,
+            linear_method,
         )
         self.o_proj = RowParallelLinear(
-            num_heads * head_dim, hidden, o_bias, dtype, device, tp.rank, tp.size, tp.all_reduce
+            num_heads * head_dim, hidden, o_bias, dtype, device, tp.rank, tp.size, tp.all_reduce,
+            linear_method,
         )
         self.head_dim = head_dim
         self.q_size = self.qkv_proj.q_size
@@ -133,11 +141,14 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup,
+        linear_method: LinearMethod,
     ) -> None:
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = attention_cls(hf_config, f"{prefix}.self_attn", dtype, device, tp)
-        self.mlp = LlamaMLP(hf_config, dtype, device, tp)
+        self.self_attn = attention_cls(
+            hf_config, f"{prefix}.self_attn", dtype, device, tp, linear_method
+        )
+        self.mlp = LlamaMLP(hf_config, dtype, device, tp, linear_method)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
@@ -164,6 +175,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup,
+        linear_method: LinearMethod,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -180,7 +192,9 @@ class LlamaModel(nn.Module):
             device,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, attention_cls, f"{prefix}.layers.{i}", dtype, device, tp)
+            LlamaDecoderLayer(
+                hf_config, attention_cls, f"{prefix}.layers.{i}", dtype, device, tp, linear_method
+            )
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, device)
@@ -224,12 +238,17 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup = SINGLE_RANK,
+        linear_method: LinearMethod = UNQUANTIZED,
     ) -> None:
+        """``linear_method``: how the decoder's linear layers hold their weights (unquantized,
+        FP8: ``model/quantization.py``); the embedding and LM head stay in ``dtype``."""
         super().__init__()
         self.config = hf_config
         self.tp = tp
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, self.attention_cls, "model", dtype, device, tp)
+        self.model = LlamaModel(
+            hf_config, self.attention_cls, "model", dtype, device, tp, linear_method
+        )
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -254,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         kernels (``model/gemv_decode.py``; Triton, for CUDA), or None where they do not fit
         this model (its layers are not exactly ``one_token_layers``, tensor parallelism, a
         head_dim off the kernels' tile; the reason is logged): the compiled forward then
-        serves one-token steps."""
+        serves one-token steps. FP8 weights are read as they are stored, with their scales."""
         from pagedserve.model.gemv_decode import gemv_decode_forward  # Triton: on use only
 
         return gemv_decode_forward(self, self.one_token_layers)

@@ -19,8 +19,10 @@ from transformers import PretrainedConfig
 
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.parallel_state import TensorParallelGroup, get_tp_group
+from pagedserve.layers.linear import finish_loading
 from pagedserve.model.checkpoint import WeightStream, iterate_weights
 from pagedserve.model.dummy_weights import load_dummy_weights
+from pagedserve.model.quantization import linear_method_for
 from pagedserve.model.registry import get_model_class
 from pagedserve.model.resolve import CheckpointError, ResolvedModel, resolve_model_config
 
@@ -112,11 +114,16 @@ def load_model(
     get_max_model_len(model_config, resolved.hf_config)  # refuse a bad length before building
     check_tensor_parallel_size(resolved.hf_config, tp.size, resolved.config_source)
     model_class = _model_class(resolved)
-    model = model_class(resolved.hf_config, dtype, device, tp)
-    if resolved.format == "dummy":
-        # The single-rank model's shapes (on meta: no memory) give every rank the same values.
+    dummy = resolved.format == "dummy"
+    linear_method = linear_method_for(model_config.quantization, resolved.quantization, dummy,
+                                      device)
+    model = model_class(resolved.hf_config, dtype, device, tp, linear_method)
+    if dummy:
+        # The single-rank model's shapes (on meta: no memory) give every rank the same values;
+        # unquantized, so FP8 layers quantize its random weights as they load.
         whole = model_class(resolved.hf_config, dtype, torch.device("meta"))
         load_dummy_weights(model, whole, model_config.seed)
     else:
         load_checkpoint(model, resolved)
+    finish_loading(model)
     return model.eval(), resolved.hf_config

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve.distributed.parallel_state import TensorParallelGroup
 from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.linear import LinearMethod
 from pagedserve.model.llama import LLAMA_LAYERS, LlamaAttention, LlamaForCausalLM
 
 
@@ -31,8 +32,9 @@ class Qwen3Attention(LlamaAttention):
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup,
+        linear_method: LinearMethod,
     ) -> None:
-        super().__init__(hf_config, prefix, dtype, device, tp)
+        super().__init__(hf_config, prefix, dtype, device, tp, linear_method)
         self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype, device)
 

@@ -17,8 +17,10 @@ from typing import Literal
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedserve.config import DEFAULT_MODEL, ModelConfig
+from pagedserve.layers.quantization.fp8 import Fp8Scheme
 from pagedserve.model.gguf_config import GGUFMetadata, hf_config_from_metadata, open_gguf
 from pagedserve.model.hub import is_repo_id, snapshot_folder
+from pagedserve.model.quantization import MODELOPT_CONFIG, checkpoint_scheme
 
 WeightFormat = Literal["safetensors", "gguf", "dummy"]
 
@@ -43,6 +45,8 @@ class ResolvedModel:
     """The GGUF file (full path) when the config and tokenizer come from one."""
     gguf_meta: GGUFMetadata | None = field(default=None, repr=False, compare=False)
     """The parsed GGUF file (a memory map), kept so its metadata is parsed only once."""
+    quantization: Fp8Scheme | None = None
+    """How the checkpoint stores FP8 linear layers; None: unquantized."""
 
     @property
     def config_source(self) -> Path:
@@ -145,20 +149,16 @@ def _load_hf_config(folder: Path) -> PretrainedConfig:
         raise ValueError(f"model: cannot read {config_file}: {e}") from e
 
 
-def check_not_quantized(hf_config: PretrainedConfig, source: Path) -> None:
-    """Refuse a quantized checkpoint (a ``quantization_config`` in ``config.json``) by its
-    method's name: its weights are not plain floats, so loading them as such would fail on
-    a scale tensor or, worse, compute with raw integers."""
-    quantization = getattr(hf_config, "quantization_config", None)
-    if not quantization:
-        return
-    method = (quantization.get("quant_method") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", None))
-    raise CheckpointError(
-        f"{source}: quantization_config.quant_method {str(method)!r}: quantized checkpoints "
-        f"(FP8, AWQ, GPTQ, bitsandbytes, compressed-tensors, ...) are not supported yet; use "
-        f"a bfloat16/float16/float32 checkpoint or a GGUF file"
-    )
+def checkpoint_quantization(hf_config: PretrainedConfig, folder: Path) -> Fp8Scheme | None:
+    """The FP8 scheme of the checkpoint's ``quantization_config`` (None: not quantized); any
+    other quantization is refused by its method's name (``model/quantization.py``)."""
+    source = folder / "config.json"
+    if not getattr(hf_config, "quantization_config", None) and (folder / MODELOPT_CONFIG).is_file():
+        source = folder / MODELOPT_CONFIG
+    try:
+        return checkpoint_scheme(hf_config, folder)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e
 
 
 def resolve_model(
@@ -182,11 +182,11 @@ def resolve_model(
         meta = open_gguf(gguf_file)
         return ResolvedModel(folder, fmt, hf_config_from_metadata(meta), gguf_file, meta)
     hf_config = _load_hf_config(folder)
-    check_not_quantized(hf_config, folder / "config.json")
+    quantization = checkpoint_quantization(hf_config, folder)
     if load_format == "dummy":
-        return ResolvedModel(folder, "dummy", hf_config)
+        return ResolvedModel(folder, "dummy", hf_config, quantization=quantization)
     safetensors_files(folder)  # fail here, before a model is built, when weights are missing
-    return ResolvedModel(folder, "safetensors", hf_config)
+    return ResolvedModel(folder, "safetensors", hf_config, quantization=quantization)
 
 
 def resolve_model_config(model_config: ModelConfig) -> ResolvedModel:

@@ -10,6 +10,8 @@ from transformers import LlamaConfig
 
 from pagedserve.compilation.aot_key import forward_key, hash_sources, key_factors
 from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
+from pagedserve.layers.linear import UNQUANTIZED, ColumnParallelLinear, LinearMethod
+from pagedserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8OnlineLinearMethod, Fp8Scheme
 from tests.compilation.conftest import DEEP_LLAMA
 
 
@@ -71,3 +73,19 @@ def test_source_hash_follows_the_traced_files(tmp_path) -> None:
 def test_a_model_without_a_config_is_refused() -> None:
     with pytest.raises(ValueError, match="config"):
         key_factors(nn.Linear(2, 2), "eager", INPUTS)
+
+
+def test_the_linear_method_is_in_the_key() -> None:
+    """FP8 weights quantized at load keep the checkpoint's config and first parameter, not
+    its graph: the linear layers' method tells them apart."""
+    config = LlamaConfig(**DEEP_LLAMA)
+
+    def with_linear(method: LinearMethod) -> str:
+        model = _Model(config, torch.float32)
+        model.proj = ColumnParallelLinear(16, 16, False, torch.float32, torch.device("cpu"),
+                                          linear_method=method)
+        return _key(model)
+
+    online = Fp8OnlineLinearMethod("dequantize")
+    static = Fp8LinearMethod(Fp8Scheme("fp8", "tensor", "static"), "dequantize")
+    assert len({with_linear(UNQUANTIZED), with_linear(online), with_linear(static)}) == 3

@@ -12,7 +12,9 @@ from kernel_device import DEVICE
 from pagedserve.kernels import gemv
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.quantization.fp8_ops import dequantize_rows, quantize_rows
 from pagedserve.layers.rotary import get_rope
+from pagedserve.platform import FP8_MIN_CAPABILITY
 
 DT = torch.bfloat16
 EPS = 1e-5
@@ -111,3 +113,60 @@ def test_bad_inputs_name_the_argument() -> None:
             _rand(1, 32), _rand(32), EPS, _rand(100, 32), None, _rand(8, 32),
             torch.zeros(1, dtype=torch.int64, device=DEVICE),
             torch.zeros(1, dtype=torch.int64, device=DEVICE), cache, 4)
+
+
+FP8_KERNELS = pytest.mark.skipif(
+    DEVICE.type == "cuda" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY,
+    reason="Triton's float8_e4m3fn needs compute capability 8.9",
+)
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 weight, fp32 scale per row, the dequantized weight in fp32)."""
+    q, scale = quantize_rows(w)
+    return q, scale, dequantize_rows(q, scale)
+
+
+@FP8_KERNELS
+@pytest.mark.parametrize("config", [CONFIGS[0], None])
+def test_fp8_weights_are_read_with_their_row_scales(config: gemv.GemvConfig | None) -> None:
+    """Each kernel on FP8 weights against the torch layers on the dequantized weights."""
+    x, b, r = _rand(1, 200), _rand(72), _rand(1, 72)
+    w8, scale, w = _fp8(_rand(72, 200, scale=0.1))
+    want = (F.linear(x.float(), w, b.float()) + r.float()).to(DT)
+    _close(gemv.linear_row(x, w8, b, r, config=config, weight_scale=scale), want)
+
+    inter, norm = 40, _norm(128)
+    x = _rand(1, 128)
+    w8, scale, w = _fp8(_rand(2 * inter, 128, scale=0.2))
+    got = gemv.rmsnorm_gate_up_silu(x, norm.weight, EPS, w8, config=config, weight_scale=scale)
+    _close(got, SiluAndMul(DEVICE)(F.linear(norm(x), w.to(DT))))
+
+
+@FP8_KERNELS
+def test_fp8_qkv_rope_kv_write() -> None:
+    hq, hkv, d, hidden = 4, 2, 32, 96
+    rope = get_rope(d, 64, {"rope_type": "default", "rope_theta": 10000.0}, DT, DEVICE)
+    x, norm = _rand(1, hidden), _norm(hidden)
+    w8, scale, w = _fp8(_rand((hq + 2 * hkv) * d, hidden, scale=0.2))
+    positions = torch.tensor([37], device=DEVICE)
+    cache = torch.zeros(2, 4, 4, hkv, d, dtype=DT, device=DEVICE)
+    q = gemv.rmsnorm_qkv_rope_kv_write(x, norm.weight, EPS, w8, None, rope.cos_sin_cache,
+                                       positions, torch.tensor([9], device=DEVICE), cache, hq,
+                                       config=gemv.GemvConfig(8, 64, 4), weight_scale=scale)
+    want_q, want_k, want_v = F.linear(norm(x), w.to(DT)).split([hq * d, hkv * d, hkv * d], -1)
+    want_q, want_k = rope.rotate(rope.cos_sin(positions), want_q, want_k)
+    _close(q, want_q)
+    _close(cache[0].reshape(-1, hkv * d)[9], want_k[0])
+    _close(cache[1].reshape(-1, hkv * d)[9], want_v[0])
+
+
+@FP8_KERNELS
+def test_fp8_inputs_name_the_argument() -> None:
+    w8, scale, _ = _fp8(_rand(16, 32))
+    with pytest.raises(ValueError, match="expected torch.float8_e4m3fn"):
+        gemv.linear_row(_rand(1, 32), _rand(16, 32), weight_scale=scale)
+    with pytest.raises(ValueError, match="expected torch.bfloat16"):
+        gemv.linear_row(_rand(1, 32), w8)  # FP8 weights need their scale
+    with pytest.raises(ValueError, match="weight_scale: expected 16 contiguous fp32"):
+        gemv.linear_row(_rand(1, 32), w8, weight_scale=scale[:8])

@@ -15,6 +15,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pagedserve.distributed.parallel_state import SINGLE_RANK  # noqa: E402
+from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading  # noqa: E402
+from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod  # noqa: E402
 from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason  # noqa: E402
 from pagedserve.model.llama import LLAMA_LAYERS, LlamaForCausalLM, LlamaMLP  # noqa: E402
 from pagedserve.model.registry import get_model_class  # noqa: E402
@@ -22,6 +25,7 @@ from tests.model.hf_tiny import CASES, saved_checkpoint  # noqa: E402
 from tests.model.paged_harness import greedy_generate  # noqa: E402
 
 NUM_STEPS = 6
+ONLINE_FP8 = Fp8OnlineLinearMethod("dequantize")
 
 
 class OneTokenOnGemv(nn.Module):
@@ -45,8 +49,8 @@ class OneTokenOnGemv(nn.Module):
         return self.inner.compute_logits(hidden_states)
 
 
-def _ours(case: str, tmp_path, dtype: torch.dtype = torch.float32, **overrides: object
-          ) -> nn.Module:
+def _ours(case: str, tmp_path, dtype: torch.dtype = torch.float32,
+          linear_method: LinearMethod = UNQUANTIZED, **overrides: object) -> nn.Module:
     """Our model of a tiny case, with ``overrides`` set on its config before it is built."""
     model_cls, config = CASES[case]
     config = copy.deepcopy(config)
@@ -55,12 +59,15 @@ def _ours(case: str, tmp_path, dtype: torch.dtype = torch.float32, **overrides: 
     config.architectures = [model_cls.__name__]
     torch.manual_seed(0)
     hf_model = model_cls(config).eval()
-    ours = get_model_class(config)(config, dtype, torch.device("cpu"))
+    ours = get_model_class(config)(config, dtype, torch.device("cpu"), SINGLE_RANK,
+                                   linear_method)
     ours.load_weights(saved_checkpoint(hf_model, tmp_path).items())
+    finish_loading(ours)
     return ours
 
 
-@pytest.mark.parametrize("case", ["llama", "llama3_rope", "qwen2", "llama_all_biases"])
+@pytest.mark.parametrize("case", ["llama", "llama3_rope", "qwen2", "llama_all_biases",
+                                  "llama_fp8", "qwen2_fp8"])
 @pytest.mark.parametrize("prompt", [[5, 17, 3, 120, 9, 44, 8], [31]])
 def test_same_tokens_and_logits_as_the_model(case: str, prompt: list[int], tmp_path) -> None:
     """A 7-token prompt (prefill on the model, decode on the kernels) and a 1-token prompt
@@ -68,6 +75,8 @@ def test_same_tokens_and_logits_as_the_model(case: str, prompt: list[int], tmp_p
     torch.set_num_threads(1)
     if case == "llama_all_biases":  # q/k/v, o_proj, gate/up and down_proj all with a bias
         ours = _ours("llama", tmp_path, attention_bias=True, mlp_bias=True)
+    elif case.endswith("_fp8"):  # FP8 weights: the model dequantizes, the kernels scale rows
+        ours = _ours(case.removesuffix("_fp8"), tmp_path, linear_method=ONLINE_FP8)
     else:
         ours = _ours(case, tmp_path)
     want = greedy_generate(ours, [prompt], NUM_STEPS)[0]
@@ -122,7 +131,7 @@ class LlamaWithGeluMLP(LlamaForCausalLM):
     def __init__(self, hf_config: object, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(hf_config, dtype, device)
         for layer in self.model.layers:
-            layer.mlp = GatedGeluMLP(hf_config, dtype, device, self.tp)
+            layer.mlp = GatedGeluMLP(hf_config, dtype, device, self.tp, UNQUANTIZED)
 
 
 def test_a_subclass_with_another_mlp_gets_no_gemv_forward(tmp_path) -> None:

@@ -1,0 +1,71 @@
+"""FP8 (e4m3) arithmetic: row-wise quantization and the two ways an FP8 linear computes.
+
+``scaled_mm_linear`` runs on FP8 tensor cores (``torch._scaled_mm``, row-wise scaling: one
+scale per token of the activation, one per output channel of the weight).
+``dequantized_linear`` is the reference and the CPU path: the weight dequantized into the
+compute dtype, then an ordinary matmul (the activation stays unquantized).
+
+The activation is quantized here by a separate pass over it; fusing that into the kernels
+that produce it (RMSNorm, SiLU-and-mul: write FP8 plus the per-token scale) is the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+"""The smallest scale: an all-zero row gets it (no division by zero)."""
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, C] -> (q float8_e4m3fn [R, C], scale fp32 [R]) with t ~ q * scale[:, None]: each
+    row's largest magnitude maps to the largest FP8 value."""
+    t32 = t.float()
+    scale = (t32.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [R]
+    q = (t32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_static(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """t [R, C] with one given scale (fp32 [1]) -> float8_e4m3fn [R, C]."""
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q float8 [R, C], scale fp32 [R] -> fp32 [R, C]."""
+    return q.float() * scale.unsqueeze(-1)
+
+
+def dequantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] @ (weight float8 [N, K] * weight_scale [N, 1])^T + bias, in x's dtype."""
+    return F.linear(x, dequantize_rows(weight, weight_scale).to(x.dtype), bias)
+
+
+def scaled_mm_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] on FP8 tensor cores (CUDA, compute capability >= 8.9).
+
+    ``input_scale`` fp32 [1]: the checkpoint's static activation scale; None: a scale per
+    token, computed here. Row-wise ``_scaled_mm`` wants K and N multiples of 16, scales of
+    shape [M, 1] and [1, N] and a bf16 output; other compute dtypes are cast back."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if input_scale is None:
+        xq, x_scale = quantize_rows(x2)
+        x_scale = x_scale.unsqueeze(-1)  # [M, 1]
+    else:
+        xq = quantize_static(x2, input_scale)
+        x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()  # [M, 1]
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=torch.bfloat16)  # [M, N]
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
