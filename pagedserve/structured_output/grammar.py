@@ -30,12 +30,38 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """``json_object``: any JSON object (OpenAI's JSON mode), not any JSON value."""
 
 
+def _length_as_pattern(node: dict[str, Any]) -> dict[str, Any]:
+    """A string schema with ``minLength`` / ``maxLength`` and no ``pattern``, its bounds moved
+    into an equivalent pattern of plain characters. xgrammar's own conversion of the bounds
+    lets raw control characters into the string, which no JSON parser accepts; the pattern
+    leaves out quotes, backslashes and control characters, so the value's length is its
+    text's."""
+    low, high = node.get("minLength", 0), node.get("maxLength", "")
+    out = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
+    plain_char = '[^"\\\\\\x00-\\x1f]'  # the regex [^"\\\x00-\x1f]
+    out["pattern"] = f"^{plain_char}{{{low},{high}}}$"
+    return out
+
+
+def _compilable(schema: Any) -> Any:
+    """``schema`` with every length-bounded string schema given as a pattern (recursively)."""
+    if isinstance(schema, list):
+        return [_compilable(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    node = {key: _compilable(value) for key, value in schema.items()}
+    if (node.get("type") == "string" and "pattern" not in node and "format" not in node
+            and ("minLength" in node or "maxLength" in node)):
+        return _length_as_pattern(node)
+    return node
+
+
 def schema_text(schema: Any) -> str:
-    """The text of a JSON schema given as a dict or as JSON text (the cache key). Keys keep
-    their order: properties are generated in the schema's order."""
+    """The text compiled for a JSON schema given as a dict or as JSON text (the cache key).
+    Keys keep their order: properties are generated in the schema's order."""
     if isinstance(schema, str):
         schema = json.loads(schema)
-    return json.dumps(schema, ensure_ascii=False)
+    return json.dumps(_compilable(schema), ensure_ascii=False)
 
 
 def source_text(kind: str, spec: Any) -> str:

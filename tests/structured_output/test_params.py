@@ -65,3 +65,12 @@ def test_schema_keeps_its_property_order():
     schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
     assert StructuredOutputsParams(json=schema).source.index('"z"') < \
         StructuredOutputsParams(json=schema).source.index('"a"')
+
+
+def test_length_bounded_strings_compile_as_plain_character_patterns():
+    """xgrammar's own length bounds admit raw control characters; the compiled schema's
+    pattern does not (quotes, backslashes and control characters are left out)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}}
+    source = StructuredOutputsParams(json=schema).source
+    assert '"pattern": "^[^\\"\\\\\\\\\\\\x00-\\\\x1f]{0,3}$"' in source
+    assert "maxLength" not in source

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.sampling_params import SamplingParams
 
 MAX_N = 128
@@ -32,7 +33,7 @@ class StreamOptions(BaseModel):
     """Send a last chunk with ``usage`` and no choices before ``data: [DONE]``."""
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredOutputFields):
     """Fields shared by completions and chat completions."""
 
     # Python's JSON parser accepts NaN and Infinity: refuse them in every float field.
@@ -114,6 +115,7 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
