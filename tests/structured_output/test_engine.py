@@ -203,3 +203,23 @@ def test_async_scheduling_gives_the_synchronous_tokens(tiny_llama, llm):
         return [list(c.token_ids) for o in outputs for c in o.outputs]
 
     assert tokens(async_llm) == tokens(llm)
+
+
+def test_tensor_parallel_masks_every_rank_alike(tiny_llama, llm):
+    """TP=2 (worker processes, gloo): the core fills the mask and sends it with the plan;
+    with async scheduling a constrained step waits for the step before it. The tokens are
+    those of the in-process engine."""
+    folder, _, _ = tiny_llama
+    tp2 = LLM(str(folder), dtype="float32", max_num_batched_tokens=128,
+              num_gpu_blocks_override=128, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        constrained = _params(StructuredOutputsParams(json=SCHEMAS["bounded_numbers"]),
+                              temperature=1.0, n=2, seed=8)
+        free = SamplingParams(temperature=1.0, seed=6, max_tokens=20, ignore_eos=True)
+        outputs = {}
+        for name, engine in (("tp2", tp2), ("tp1", llm)):
+            results = engine.generate(PROMPTS[:2], [constrained, free], use_tqdm=False)
+            outputs[name] = [list(c.token_ids) for o in results for c in o.outputs]
+        assert outputs["tp2"] == outputs["tp1"]
+    finally:
+        tp2.engine_core.shutdown()
