@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess
+from tests.entrypoints.openai.server_utils import API_KEY, REPO_ROOT, ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Describe a point."}]
 POINT = {
@@ -115,3 +118,17 @@ def test_grammar_metrics(client: openai.OpenAI, server: ServerProcess, model_nam
     assert values["pagedserve:grammar_compiles_total"] >= 1
     assert values["pagedserve:grammar_cache_hits_total"] >= 1
     assert values["pagedserve:grammar_compile_seconds_total"] > 0
+
+
+def test_bench_serve_structured(server: ServerProcess, tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
+        "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "4",
+        "--input-len", "6", "--output-len", "24", "--structured", "json-schema",
+        "--disable-tqdm", "--result-dir", str(tmp_path), "--result-filename", "run.json",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["structured"] == "json-schema"
+    assert result["completed"] == 4 and result["failed"] == 0
