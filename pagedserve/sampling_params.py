@@ -109,6 +109,11 @@ class SamplingParams:
             (len(self.stop) <= _MAX_STOP_STRINGS, f"stop: at most {_MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop: every stop string must be a non-empty string"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
+            (
+                self.structured_outputs is None or self.min_tokens == 0,
+                "min_tokens: not supported with structured_outputs (the grammar decides where "
+                "the answer ends)",
+            ),
         ]
         for ok, msg in checks:
             require(ok, msg)

@@ -10,6 +10,10 @@ catches up with its token count; a step gives each request some tokens out of on
 2. then waiting requests (new or preempted), after a prefix-cache lookup, unless a preemption
    happened this step (blocks are short) or ``max_num_seqs`` requests are running.
 
+A constrained request (structured outputs) waits in ``waiting_for_grammar`` until its grammar
+is compiled, then joins the waiting queue; its matcher advances with every token appended
+(docs/architecture.md#structured-outputs).
+
 ``schedule()`` advances ``num_computed_tokens`` as soon as it plans a step, so the next step can
 be planned before this one's sampled tokens arrive (async scheduling: the unknown tokens are
 counted in ``Request.num_output_placeholders``).

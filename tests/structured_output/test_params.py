@@ -59,6 +59,8 @@ def test_sampling_params_takes_params_or_a_dict():
         SamplingParams(structured_outputs="json")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         SamplingParams(structured_outputs={"regex": "("})
+    with pytest.raises(ValueError, match="min_tokens: not supported with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs={"choice": ["a"]})
 
 
 def test_schema_keeps_its_property_order():

@@ -81,7 +81,7 @@ class StructuredOutputFields(BaseModel):
 
     def _given(self) -> list[tuple[str, dict[str, Any]]]:
         """(the field as the client named it, StructuredOutputsParams kwargs) per field set."""
-        given = []
+        given: list[tuple[str, dict[str, Any]]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             given.append(("response_format", {"json_object": True}))
