@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from pagedserve.kernels.sampling_common import kept_mask  # noqa: E402
 from pagedserve.kernels.sampling_truncation import truncation_cuts  # noqa: E402
-from pagedserve.sample import Sampler  # noqa: E402
+from pagedserve.sample import Sampler, SamplingStates  # noqa: E402
 from pagedserve.sample.token_sampler import TokenSampler, TorchTokenSampler, truncate  # noqa: E402
 from pagedserve.sample.triton_token_sampler import TritonTokenSampler, slot_params  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
@@ -63,10 +63,13 @@ def make_sampler(
     token_sampler: TokenSampler, rows: int, vocab: int, params: SamplingParams
 ) -> Sampler:
     """Every slot holds an unseeded request: the engine seed gives both paths the same seeds."""
-    sampler = Sampler(rows, vocab, DEVICE, seed=0)
+    states = SamplingStates(rows, vocab, DEVICE, seed=0)
+    sampler = Sampler(states)
     sampler.token_sampler = token_sampler
     for slot in range(rows):
+        states.add_request(slot, params, 0)
         sampler.add_request(slot, params, [1], [])
+    states.staging.copy_to_device()
     return sampler
 
 
@@ -92,7 +95,7 @@ def kept_set_mismatches(sampler: Sampler, logits: torch.Tensor, idx: torch.Tenso
     """Rows whose kept tokens differ between the truncation kernel and the torch reference."""
     states = sampler.states
     cuts = truncation_cuts(logits, idx, slot_params(states))
-    got = kept_mask(logits.float() / states.temperature.dev[idx].unsqueeze(1), cuts)
+    got = kept_mask(logits.float() / states.temperature[idx].unsqueeze(1), cuts)
     want = truncate(logits.to(torch.float32, copy=True), states, idx, idx_np) > float("-inf")
     return int((got != want).any(dim=1).sum())
 

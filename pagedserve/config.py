@@ -12,9 +12,12 @@ import functools
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pagedserve.field_types import ByteSize, byte_size, check_field_types, require, without_none
+
+if TYPE_CHECKING:
+    from pagedserve.platform import Platform
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 KV_CACHE_DTYPES = ("auto",)
@@ -44,7 +47,8 @@ def _check_fields(config: object) -> None:
     """Every bool, int, float and str field of ``config`` holds one (or None where the field
     allows it), and every ``Literal`` field one of its values."""
     check_field_types(config)
-    for name, (allowed, optional) in _literal_fields(type(config)).items():
+    config_cls: type = type(config)
+    for name, (allowed, optional) in _literal_fields(config_cls).items():
         value = getattr(config, name)
         require(
             value in allowed or (optional and value is None),
@@ -237,13 +241,14 @@ class CompilationConfig:
                 f"{name}: every size must be >= 1, got {sizes}",
             )
 
-    def uses_compile(self, device_type: str) -> bool:
+    def uses_compile(self, platform: Platform) -> bool:
+        """``auto`` compiles where the platform does by default (CUDA)."""
         if self.enforce_eager or self.mode == "none":
             return False
-        return self.mode == "compile" or device_type == "cuda"
+        return self.mode == "compile" or platform.compiles_by_default
 
-    def uses_cuda_graphs(self, device_type: str) -> bool:
-        return device_type == "cuda" and self.uses_compile(device_type)
+    def uses_cuda_graphs(self, platform: Platform) -> bool:
+        return platform.has_cuda_graphs and self.uses_compile(platform)
 
     @property
     def full_capture_sizes(self) -> list[int]:

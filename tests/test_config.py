@@ -16,6 +16,7 @@ from pagedserve.config import (
     SchedulerConfig,
     choices_of,
 )
+from pagedserve.platform import platform_for
 
 
 @pytest.mark.parametrize(
@@ -71,6 +72,24 @@ def test_an_unknown_device_is_refused_naming_the_field(device: str) -> None:
 
 def test_a_numbered_cuda_device_is_a_device() -> None:
     assert EngineConfig.from_kwargs(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.parametrize(
+    ("fields", "on_cpu", "on_cuda"),
+    [
+        ({}, (False, False), (True, True)),  # auto: compiled with graphs on CUDA, eager on CPU
+        ({"mode": "compile"}, (True, False), (True, True)),
+        ({"mode": "none"}, (False, False), (False, False)),
+        ({"enforce_eager": True}, (False, False), (False, False)),
+    ],
+)
+def test_compile_and_graphs_follow_the_platform(
+    fields: dict, on_cpu: tuple[bool, bool], on_cuda: tuple[bool, bool]
+) -> None:
+    config = CompilationConfig(**fields)
+    for device, expected in (("cpu", on_cpu), ("cuda", on_cuda)):
+        target = platform_for(device)
+        assert (config.uses_compile(target), config.uses_cuda_graphs(target)) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,12 +1,94 @@
-"""Start-up platform choices: the CPU thread count for a machine whose cores others may use,
-and the allocator settings of a CPU process."""
+"""Start-up platform choices: which implementations each device gets, the CPU thread count for
+a machine whose cores others may use, and the allocator settings of a CPU process."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from pagedserve import platform
+from pagedserve.attention.backends.cpu import CpuBackend
+from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.sample.token_sampler import TorchTokenSampler
+from pagedserve.worker import input_prep
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = torch.device("cuda")  # selection only: nothing below allocates on it
+
+
+def _is_torch_reference(ops: platform.InputPrepOps) -> bool:
+    return ops.name == "torch" and ops.compute_slot_mappings is input_prep.compute_slot_mappings
+
+
+def test_cpu_gets_the_torch_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = platform.platform_for(torch.device("cpu"))
+    assert isinstance(cpu, platform.CpuPlatform)
+    assert _is_torch_reference(cpu.input_prep_ops())
+    assert isinstance(cpu.token_sampler(32), TorchTokenSampler)
+    assert not cpu.has_triton_kernels() and not SiluAndMul(cpu.device).uses_kernel
+    assert (cpu.pin_memory, cpu.compiles_by_default, cpu.has_cuda_graphs) == (False,) * 3
+    assert (cpu.async_scheduling, cpu.dist_backend, cpu.new_stream()) == (False, "gloo", None)
+    monkeypatch.setattr("pagedserve.attention.backends.cpu_native.load_paged_decode_kernel",
+                        lambda: None)  # no C compiler: the torch reference
+    backend = cpu.attention_backend()
+    assert isinstance(backend, TorchRefBackend) and not isinstance(backend, CpuBackend)
+
+
+def test_cpu_attention_takes_the_native_kernel_when_it_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernel = object()
+    monkeypatch.setattr("pagedserve.attention.backends.cpu_native.load_paged_decode_kernel",
+                        lambda: kernel)
+    backend = platform.platform_for("cpu").attention_backend()
+    assert isinstance(backend, CpuBackend) and backend.kernel is kernel
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_cuda_gets_the_triton_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.attention.backends.triton import TritonBackend
+    from pagedserve.kernels import input_prep as triton_input_prep
+    from pagedserve.sample.triton_token_sampler import TritonTokenSampler
+
+    cuda = platform.platform_for(CUDA)
+    assert isinstance(cuda, platform.CudaPlatform)
+    ops = cuda.input_prep_ops()
+    assert ops.name == "triton"
+    assert ops.gather_block_tables is triton_input_prep.gather_block_tables
+    assert isinstance(cuda.attention_backend(), TritonBackend)
+    monkeypatch.setattr(platform.CudaPlatform, "multiprocessor_count", lambda self: 4)
+    assert isinstance(cuda.token_sampler(32), TritonTokenSampler)
+    assert cuda.has_triton_kernels() and SiluAndMul(CUDA).uses_kernel
+    assert (cuda.pin_memory, cuda.compiles_by_default, cuda.has_cuda_graphs) == (True,) * 3
+    assert (cuda.async_scheduling, cuda.dist_backend) == (True, "nccl")
+
+
+def test_cuda_without_triton_runs_the_torch_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "triton_available", lambda: False)
+    cuda = platform.platform_for(CUDA)
+    assert _is_torch_reference(cuda.input_prep_ops())
+    assert type(cuda.attention_backend()) is TorchRefBackend
+    assert not cuda.has_triton_kernels()
+
+
+def test_platform_for_is_one_object_per_device() -> None:
+    assert platform.platform_for(torch.device("cpu")) is platform.platform_for(torch.device("cpu"))
+    assert platform.platform_for("cuda:1").rank_device(3) == torch.device("cuda", 3)
+    assert platform.platform_for("cpu").rank_device(3) == torch.device("cpu")
+
+
+def test_platform_for_names_an_unsupported_device() -> None:
+    with pytest.raises(ValueError, match="device: 'mps' is not supported"):
+        platform.platform_for(torch.device("mps"))
+
+
+def test_auto_dtype_follows_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert platform.resolve_dtype("auto", CUDA) == torch.bfloat16
+    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: False)
+    assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -95,11 +177,27 @@ def test_configure_process_leaves_gpu_processes_alone(monkeypatch: pytest.Monkey
     monkeypatch.setattr(
         platform, "configure_cpu_allocator", lambda: touched.append("malloc") or True
     )
-    platform.configure_process("cuda:0")
+    platform.platform_for("cuda:0").configure_process()
     assert touched == []
-    platform.configure_process("cpu")
+    platform.platform_for("cpu").configure_process()
     assert touched == ["threads", "malloc"]
 
 
 def test_usable_cpu_cores_is_positive() -> None:
     assert platform.usable_cpu_cores() >= 1
+
+
+def test_cpu_zeros_cost_no_memory_up_front() -> None:
+    """The CPU KV cache's zeros: pages mapped in on first touch, zero until written."""
+    before = _rss_bytes()
+    cache = platform.platform_for("cpu").zeros((2, 1 << 16, 16, 8, 64), torch.bfloat16)  # 2 GiB
+    assert cache.shape == (2, 1 << 16, 16, 8, 64) and cache.dtype == torch.bfloat16
+    assert _rss_bytes() - before < 64 << 20
+    assert cache[1, -1].abs().sum() == 0 and cache[0, 12345].abs().sum() == 0
+    cache[0, 7] = 1.5
+    assert cache[0, 7].sum() == 1.5 * 16 * 8 * 64 and cache[0, 8].sum() == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096

@@ -86,7 +86,7 @@ def attention_by_name(
 ) -> None:
     """The op's body: the layer named in the forward context attends and writes ``output``."""
     layer = get_forward_context().attn_layers.get(layer_name)
-    if layer is None:
+    if not isinstance(layer, Attention):
         raise RuntimeError(f"{layer_name}: not in the forward context's attn_layers")
     paged_attention(layer, query, key, value, cos_sin, output)
 

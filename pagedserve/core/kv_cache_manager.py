@@ -14,10 +14,7 @@ from __future__ import annotations
 from pagedserve.core.block_pool import BlockPool, KVCacheBlock
 from pagedserve.core.hashing import update_block_hashes
 from pagedserve.core.request import Request
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedserve.math_utils import cdiv
 
 
 class KVCacheManager:
@@ -84,7 +81,7 @@ class KVCacheManager:
         self._check_allocation(request, num_new_tokens, num_new_computed_tokens, computed_blocks)
         num_held = 0 if held is None else len(held)
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = _cdiv(num_tokens_after, self.block_size) - num_held - len(computed_blocks)
+        num_new_blocks = cdiv(num_tokens_after, self.block_size) - num_held - len(computed_blocks)
         # Hits sitting in the free queue stop being free once touched.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) > self.block_pool.num_free_blocks - num_revived:
@@ -110,7 +107,7 @@ class KVCacheManager:
         num_tokens_after = request.num_computed_tokens + num_new_tokens
         if num_new_tokens <= 0 or num_tokens_after > self.max_model_len:
             self._check_allocation(request, num_new_tokens, 0, [])  # raises the ValueError
-        num_new_blocks = _cdiv(num_tokens_after, self.block_size) - len(held)
+        num_new_blocks = cdiv(num_tokens_after, self.block_size) - len(held)
         new_blocks: list[KVCacheBlock] = []
         if num_new_blocks > 0:
             if num_new_blocks > self.block_pool.num_free_blocks:

@@ -18,9 +18,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
-
-import torch
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -32,7 +30,10 @@ from pagedserve.distributed.executor import (
 from pagedserve.distributed.parallel_state import free_port
 from pagedserve.distributed.worker_proc import SHUTDOWN, STEP, WorkerSpec, worker_main
 from pagedserve.distributed.worker_watch import kill_all, raise_worker_error
-from pagedserve.structured_output.bitmask import GrammarBitmask
+from pagedserve.platform import platform_for
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output.bitmask import GrammarBitmask
 
 SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -53,11 +54,10 @@ class MultiprocExecutor(WorkerGroupExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         size = self.tensor_parallel_size
-        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
+        max_ranks = platform_for(config.device).max_ranks()
+        if max_ranks is not None and max_ranks < size:
             raise ValueError(
-                f"tensor_parallel_size: {size} needs {size} GPUs, this host has "
-                f"{torch.cuda.device_count()}"
-            )
+                f"tensor_parallel_size: {size} needs {size} GPUs, this host has {max_ranks}")
         context = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[BaseProcess] = []

@@ -13,9 +13,7 @@ the process exit); every wait watches all ranks' calls, so the engine raises a
 from __future__ import annotations
 
 import weakref
-from typing import Any, NoReturn
-
-import torch
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -27,7 +25,10 @@ from pagedserve.distributed.executor import (
 from pagedserve.distributed.ray_worker import NodeInfo, RayWorker, visible_devices_per_rank
 from pagedserve.distributed.worker_proc import STEP, WorkerSpec
 from pagedserve.distributed.worker_watch import GRACE_S, worker_failure
-from pagedserve.structured_output.bitmask import GrammarBitmask
+from pagedserve.platform import platform_for
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output.bitmask import GrammarBitmask
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -60,10 +61,7 @@ class RayExecutor(WorkerGroupExecutor):
         if not ray.is_initialized():
             ray.init()  # joins the cluster named by RAY_ADDRESS, else starts a local one
         # One bundle per rank: a GPU (its actor needs no CPU slot), or a CPU on the CPU.
-        if torch.device(config.device).type == "cuda":
-            bundle, actor_resources = {"GPU": 1.0}, {"num_gpus": 1, "num_cpus": 0}
-        else:
-            bundle, actor_resources = {"CPU": 1.0}, {"num_cpus": 1}
+        bundle, actor_resources = platform_for(config.device).ray_resources()
         self.placement_group = self._place(bundle)
         self.actors = self._start_actors(actor_resources)
         self._finalizer = weakref.finalize(self, _stop, ray, self.actors, self.placement_group)

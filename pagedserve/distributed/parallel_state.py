@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pagedserve.platform import platform_for
+
 WORKER_ENV = {
     "NCCL_NVLS_ENABLE": "0",  # no NVLink SHARP multicast: not available on every host
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",  # same for torch's symmetric memory
@@ -77,10 +79,6 @@ def get_tp_group() -> TensorParallelGroup:
     return _tp_group
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_tensor_parallel(
     rank: int, size: int, init_method: str, device: torch.device
 ) -> TensorParallelGroup:
@@ -90,12 +88,13 @@ def init_tensor_parallel(
     if _tp_group.size > 1 or dist.is_initialized():
         raise RuntimeError("init_tensor_parallel: this process already joined a group")
     os.environ.update(WORKER_ENV)
+    platform = platform_for(device)
     dist.init_process_group(
-        backend_for(device),
+        platform.dist_backend,
         init_method=init_method,
         rank=rank,
         world_size=size,
-        device_id=device if device.type == "cuda" else None,
+        device_id=platform.process_group_device(),
     )
     world = dist.group.WORLD
     assert world is not None  # init_process_group just created it

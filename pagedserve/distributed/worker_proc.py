@@ -16,7 +16,6 @@ N+1 before it waits for N's tokens (as ``EngineCore`` does with one in-process r
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import sys
@@ -31,7 +30,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.executor import PendingOutput
 from pagedserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from pagedserve.platform import configure_process
+from pagedserve.platform import platform_for
 from pagedserve.worker.model_runner import ModelRunner
 
 STEP = "execute_step"
@@ -63,22 +62,12 @@ class ModelInfo:
     device: torch.device
 
 
-def worker_device(device: str, local_rank: int) -> torch.device:
-    """``cuda`` -> this rank's GPU; ``cpu`` stays ``cpu``."""
-    if torch.device(device).type == "cuda":
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.rank = spec.rank
-        self.device = worker_device(spec.config.device, spec.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        else:  # the ranks share the host's cores; then the engine's thread and malloc policy
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-            configure_process(self.device)
+        # cuda -> this rank's GPU, made current; cpu: the ranks share the host's cores.
+        self.device = platform_for(spec.config.device).rank_device(spec.local_rank)
+        platform_for(self.device).configure_rank(spec.world_size)
         self.tp_group = init_tensor_parallel(
             spec.rank, spec.world_size, spec.init_method, self.device
         )

@@ -30,7 +30,7 @@ from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.gc_heap import freeze_startup_heap
 from pagedserve.model.loader import get_max_model_len
 from pagedserve.model.resolve import ResolvedModel, resolve_model_config
-from pagedserve.platform import configure_process, resolve_device, resolve_dtype
+from pagedserve.platform import platform_for, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from pagedserve.distributed.executor import PendingOutput
@@ -72,7 +72,8 @@ def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
     model = dataclasses.replace(config.model, dtype=str(dtype).removeprefix("torch."))
     scheduler = config.scheduler
     if scheduler.async_scheduling is None:
-        scheduler = dataclasses.replace(scheduler, async_scheduling=device.type == "cuda")
+        scheduler = dataclasses.replace(scheduler,
+                                        async_scheduling=platform_for(device).async_scheduling)
     return dataclasses.replace(config, model=model, scheduler=scheduler, device=str(device))
 
 
@@ -103,7 +104,7 @@ class EngineCore:
 
         start = time.perf_counter()
         self.config = resolve_device_and_dtype(config)
-        configure_process(self.config.device)  # CPU: thread count, allocator
+        platform_for(self.config.device).configure_process()  # CPU: thread count, allocator
         # uni / mp / ray, from config.parallel (tensor_parallel_size, distributed_executor_backend)
         self.executor = create_executor(self.config)
         with _timed("load model"):

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.interpreter_compat import INTERPRETING
+
 LOG2_E = 1.4426950408889634
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -154,10 +156,10 @@ def attend_kv_range(
 
 
 def dot_operand_dtype(tensor: torch.Tensor) -> tl.dtype:
-    """The dtype tl.dot multiplies in: the cache dtype on the GPU. CPU tensors only run under
-    the Triton interpreter, whose tl.dot multiplies the raw bit patterns of bf16 (it has no bf16
-    arithmetic), so there bf16 operands are widened to fp32 first; bf16 -> fp32 is exact."""
-    if tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16:
+    """The dtype tl.dot multiplies in: the cache dtype on the GPU. The Triton interpreter's
+    tl.dot multiplies the raw bit patterns of bf16 (it has no bf16 arithmetic), so there bf16
+    operands are widened to fp32 first; bf16 -> fp32 is exact."""
+    if INTERPRETING and tensor.dtype == torch.bfloat16:
         return tl.float32
     return _TL_DTYPES[tensor.dtype]
 

@@ -29,7 +29,6 @@ not bit-equal with, the compiled forward's (the tests bound the difference).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.attention_common import check_kv_cache
+from pagedserve.kernels.interpreter_compat import INTERPRETING
+from pagedserve.platform import platform_for
 
 EPILOGUE_STORE = tl.constexpr(0)  # out = acc (+ bias) (+ residual)
 EPILOGUE_SILU_MUL = tl.constexpr(1)  # out = silu(acc_gate) * acc_up
@@ -192,20 +193,13 @@ DEFAULT_CONFIGS = {
 down_proj, gate/up, QKV); docs/gpu.md#one-token-steps-gemv has the figures."""
 
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton does
-
-
 @functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def uses_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper and newer, compiled kernels only (the
     interpreter cannot run ``griddepcontrol``)."""
-    if device.type != "cuda" or _INTERPRETING:
+    if INTERPRETING:
         return False
-    return _capability(device.index or 0) >= (9, 0)
+    return platform_for(device).compute_capability() >= (9, 0)
 
 
 def _check_row(x: torch.Tensor, weight: torch.Tensor) -> None:

@@ -16,11 +16,15 @@ the interpreter does them).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+"""Kernels run under the CPU interpreter (read once, as triton does)."""
 _FIXED = "_pagedserve_fixed"
 """Marks an interpreter function already replaced, so that ``apply`` is idempotent."""
 

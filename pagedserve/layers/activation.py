@@ -15,12 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.platform import platform_for
+
 
 class SiluAndMul(nn.Module):
-    """``x`` [..., 2 * d] = [gate | up] -> silu(gate) * up [..., d]."""
+    """``x`` [..., 2 * d] = [gate | up] -> silu(gate) * up [..., d], on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.uses_kernel = platform_for(device).has_triton_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:
+        if self.uses_kernel and x.dim() == 2:
             if torch.compiler.is_compiling():
                 return torch.ops.pagedserve.silu_and_mul(x)
             return _kernel()(x)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.linear import copy_shard, new_parameter
+from pagedserve.platform import platform_for
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +29,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.uses_kernel = platform_for(device).has_triton_kernels()
         self.weight = new_parameter((hidden_size,), dtype, device, self.weight_loader)
         with torch.no_grad():
             self.weight.fill_(1.0)
@@ -45,7 +47,7 @@ class RMSNorm(nn.Module):
         """``x`` [..., hidden] -> normed, or (normed, x + residual) when a residual is given."""
         if residual is None:
             return _normalize(x.float(), self.weight, self.eps, x.dtype)
-        if kernel_applies(x, residual, self.weight):
+        if self.uses_kernel and kernel_applies(x, residual, self.weight):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         return add_rms_norm_torch(x, residual, self.weight, self.eps)
 
@@ -66,9 +68,9 @@ def _normalize(
 
 
 def kernel_applies(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The Triton kernel's case: CUDA rows [T, hidden] of one shape and the weight's dtype (the
+    """The Triton kernel's case: rows [T, hidden] of one shape and the weight's dtype (the
     torch code also broadcasts and promotes dtypes; the decoder layers never need either)."""
-    return x.is_cuda and x.dim() == 2 and residual.shape == x.shape and weight.dtype == x.dtype
+    return x.dim() == 2 and residual.shape == x.shape and weight.dtype == x.dtype
 
 
 def fused_add_rms_norm(

@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers.linear import AllReduce, new_parameter
+from pagedserve.math_utils import round_up
 
 VOCAB_PADDING = 64
 
 
 def pad_vocab_size(vocab_size: int, multiple: int) -> int:
-    return -(-vocab_size // multiple) * multiple
+    return round_up(vocab_size, multiple)
 
 
 class VocabParallelEmbedding(nn.Module):

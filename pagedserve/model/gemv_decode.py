@@ -20,6 +20,7 @@ below is always the full residual stream.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -87,6 +88,8 @@ class GemvDecodeForward:
         if reason is not None:
             raise ValueError(f"GemvDecodeForward: {reason}")
         self.model = model.model
+        # unsupported_reason checked every layer's classes against ``types``
+        self.layers = cast(list[LlamaDecoderLayer], list(self.model.layers))
         self.cos_sin_cache = self.model.rotary_emb.cos_sin_cache  # [max_position, head_dim]
 
     @torch.inference_mode()
@@ -95,7 +98,7 @@ class GemvDecodeForward:
             raise ValueError(f"input_ids: one token per step, got {input_ids.shape[0]}")
         ctx = get_forward_context()
         h = self.model.embed_tokens(input_ids)  # [1, hidden]: the residual stream
-        for layer in self.model.layers:
+        for layer in self.layers:
             h = self._layer(layer, ctx, positions, h)
         return self.model.norm(h)
 

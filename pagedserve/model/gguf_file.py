@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from pagedserve.math_utils import round_up
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -118,7 +120,7 @@ class GGUFFile:
         except (OSError, struct.error) as e:
             raise ValueError(f"{self.path}: not a readable GGUF file: {e}") from e
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        data_start = -(-cursor.pos // alignment) * alignment
+        data_start = round_up(cursor.pos, alignment)
         self.tensors = [self._tensor(data_start, *entry) for entry in entries]
 
     def _read_preamble(self, cursor: _Cursor) -> tuple[int, int, int]:

@@ -61,7 +61,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], bias, dtype, device, tp.rank, tp.size
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(device)
         self.down_proj = RowParallelLinear(
             inter, hidden, bias, dtype, device, tp.rank, tp.size, tp.all_reduce
         )

@@ -1,9 +1,10 @@
 """logit_bias and min_tokens: per-slot additions to a few logits, applied before penalties.
 
 Both are sparse: a slot has a short list of (token id, value) pairs, kept in a padded per-slot
-table and applied with one ``scatter_add_`` per batch. min_tokens adds -inf to the slot's stop
-tokens (stop_token_ids, and eos unless ignore_eos) while the slot's output count is below
-min_tokens; that comparison happens on the device, so the host never needs the count.
+device table and applied with one ``scatter_add_`` per batch. min_tokens adds -inf to the slot's
+stop tokens (stop_token_ids, and eos unless ignore_eos) while the slot's output count is below
+its ``min_tokens`` column; that comparison happens on the device, so the host never needs the
+count.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.sample.slot_buffer import SlotBuffer, SlotTokenTable
+from pagedserve.sample.states import SamplingStates
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker.staging import copy_from_host
 
 
 def min_tokens_stop_ids(params: SamplingParams, eos_token_id: int | None) -> list[int]:
@@ -32,29 +34,66 @@ def add_sparse(logits: torch.Tensor, token_ids: torch.Tensor, values: torch.Tens
     logits.scatter_add_(1, token_ids, values)
 
 
-class LogitBiasState:
+class SlotTokenTable:
+    """Per slot, a short list of (token id, value) pairs on the device, padded to a common width.
+
+    A row without entries is all padding (token 0, value 0.0), so ``scatter_add_`` of a gathered
+    row adds nothing through it. A row is written when a request takes the slot, and only when
+    that request or the slot's previous one has entries (most requests have none): then its
+    pairs travel in one pinned copy each. The width grows (to the next power of two, on the
+    device) when a request brings more pairs; only add_request does that, never a step.
+    """
+
+    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.device = device
+        self.token_ids = self._table(0, torch.int64)  # int64 [max_num_reqs, width]
+        self.values = self._table(0, torch.float32)  # fp32 [max_num_reqs, width]
+        self.num_entries = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
+
+    @property
+    def width(self) -> int:
+        return self.token_ids.shape[1]
+
+    def _table(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(self.max_num_reqs, width, dtype=dtype, device=self.device)
+
+    def _grow(self, num_pairs: int) -> None:
+        width = 1 << (num_pairs - 1).bit_length()
+        token_ids, values = self._table(width, torch.int64), self._table(width, torch.float32)
+        token_ids[:, : self.width] = self.token_ids
+        values[:, : self.width] = self.values
+        self.token_ids, self.values = token_ids, values
+
+    def set_row(self, slot: int, token_ids: list[int], values: list[float]) -> None:
+        n = len(token_ids)
+        if n == 0 and self.num_entries[slot] == 0:
+            return  # the row is padding already
+        if n > self.width:
+            self._grow(n)
+        self.token_ids[slot, n:].zero_()
+        self.values[slot, n:].zero_()
+        if n:
+            copy_from_host(self.token_ids[slot, :n], token_ids)
+            copy_from_host(self.values[slot, :n], values)
+        self.num_entries[slot] = n
+
+    def any_entries(self, idx_mapping_np: np.ndarray) -> bool:
+        return bool(np.any(self.num_entries[idx_mapping_np] > 0))
+
+
+class LogitBiasTables:
+    """The logit_bias pairs and the min_tokens stop pairs of every slot."""
+
     def __init__(self, max_num_reqs: int, device: torch.device) -> None:
         self.bias = SlotTokenTable(max_num_reqs, device)
         self.min_tokens_stop = SlotTokenTable(max_num_reqs, device)
-        # int64 [max_num_reqs]
-        self.min_tokens = SlotBuffer((max_num_reqs,), torch.int64, device, 0)
 
     def add_request(self, slot: int, params: SamplingParams, eos_token_id: int | None) -> None:
         bias = params.logit_bias or {}
         self.bias.set_row(slot, list(bias.keys()), list(bias.values()))
         stop_ids = min_tokens_stop_ids(params, eos_token_id) if params.min_tokens > 0 else []
         self.min_tokens_stop.set_row(slot, stop_ids, [float("-inf")] * len(stop_ids))
-        self.min_tokens[slot] = params.min_tokens
-
-    def remove_request(self, slot: int) -> None:
-        self.bias.clear_row(slot)
-        self.min_tokens_stop.clear_row(slot)
-        self.min_tokens[slot] = 0
-
-    def copy_to_device(self) -> None:
-        self.bias.copy_to_device()
-        self.min_tokens_stop.copy_to_device()
-        self.min_tokens.copy_to_device()
 
     def applies_to(self, idx_mapping_np: np.ndarray) -> bool:
         """Whether any row of the batch has a logit_bias or min_tokens stop tokens."""
@@ -65,17 +104,17 @@ class LogitBiasState:
     def apply(
         self,
         logits: torch.Tensor,  # fp32 [num_rows, V], changed in place
+        states: SamplingStates,
         idx_mapping: torch.Tensor,  # int64 [num_rows]
         idx_mapping_np: np.ndarray,  # [num_rows]
-        num_output_tokens: torch.Tensor,  # int64 [max_num_reqs]
     ) -> None:
         if self.bias.any_entries(idx_mapping_np):
             add_sparse(
-                logits, self.bias.token_ids.dev[idx_mapping], self.bias.values.dev[idx_mapping]
+                logits, self.bias.token_ids[idx_mapping], self.bias.values[idx_mapping]
             )
         if self.min_tokens_stop.any_entries(idx_mapping_np):
             # Decided on the device: bool [num_rows], True while the slot is under min_tokens.
-            blocked = num_output_tokens[idx_mapping] < self.min_tokens.dev[idx_mapping]
-            values = self.min_tokens_stop.values.dev[idx_mapping]
+            blocked = states.num_output_tokens[idx_mapping] < states.min_tokens[idx_mapping]
+            values = self.min_tokens_stop.values[idx_mapping]
             values = torch.where(blocked.unsqueeze(1), values, 0.0)
-            add_sparse(logits, self.min_tokens_stop.token_ids.dev[idx_mapping], values)
+            add_sparse(logits, self.min_tokens_stop.token_ids[idx_mapping], values)

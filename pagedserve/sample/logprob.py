@@ -7,9 +7,22 @@ penalties, temperature or any truncation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagedserve.sample.output import LogprobsTensors
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one token per row plus the row's top-k, all on the logits' device.
+
+    Column 0 of ``token_ids``/``logprobs`` is the sampled (or, for prompt logprobs, the target)
+    token; columns 1..k are the k most likely tokens, most likely first.
+    """
+
+    token_ids: torch.Tensor  # int64 [num_rows, k + 1]
+    logprobs: torch.Tensor  # fp32 [num_rows, k + 1]
+    ranks: torch.Tensor  # int64 [num_rows]: tokens with logit >= column 0's (1 = most likely)
 
 
 def compute_topk_logprobs(

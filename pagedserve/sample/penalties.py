@@ -5,8 +5,9 @@
 - frequency_penalty f and presence_penalty p, over output tokens only:
   logit -= f * count + p * (count > 0).
 
-Token statistics live in per-slot device tensors, allocated the first time a request uses a
-penalty (they are [max_num_reqs, V], large for big vocabularies).
+The penalties themselves are columns of ``SamplingStates``; the token statistics they read live
+here, in per-slot device tensors allocated the first time a request uses a penalty (they are
+[max_num_reqs, V], large for big vocabularies).
 """
 
 from __future__ import annotations
@@ -14,16 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.sample.slot_buffer import SlotBuffer, host_to_device
+from pagedserve.sample.states import SamplingStates, uses_penalties
 from pagedserve.sampling_params import SamplingParams
-
-
-def uses_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
+from pagedserve.worker.staging import host_to_device
 
 
 def apply_penalties(
@@ -41,15 +35,13 @@ def apply_penalties(
     logits.sub_(presence_penalty.unsqueeze(1) * in_output)
 
 
-class PenaltiesState:
+class PenaltyHistories:
+    """Per slot, the tokens of the prompt and the counts of the outputs so far (device)."""
+
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
-        self.repetition_penalty = SlotBuffer((max_num_reqs,), torch.float32, device, 1.0)
-        self.frequency_penalty = SlotBuffer((max_num_reqs,), torch.float32, device, 0.0)
-        self.presence_penalty = SlotBuffer((max_num_reqs,), torch.float32, device, 0.0)
-        self.use_penalty = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
         # Allocated on first use. Rows of slots without penalties hold stale values: they are
         # rebuilt in add_request whenever a request that uses penalties takes the slot.
         self.prompt_mask: torch.Tensor | None = None  # bool [max_num_reqs, V]
@@ -67,11 +59,7 @@ class PenaltiesState:
         prompt_token_ids: list[int],
         output_token_ids: list[int],
     ) -> None:
-        self.repetition_penalty[slot] = params.repetition_penalty
-        self.frequency_penalty[slot] = params.frequency_penalty
-        self.presence_penalty[slot] = params.presence_penalty
-        self.use_penalty[slot] = uses_penalties(params)
-        if not self.use_penalty[slot]:
+        if not uses_penalties(params):
             return
         if self.output_counts is None:
             self._allocate()
@@ -84,29 +72,22 @@ class PenaltiesState:
         self.output_counts[slot].zero_()
         self.output_counts[slot].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
 
-    def remove_request(self, slot: int) -> None:
-        self.use_penalty[slot] = False
-
-    def copy_to_device(self) -> None:
-        for buffer in (self.repetition_penalty, self.frequency_penalty, self.presence_penalty):
-            buffer.copy_to_device()
-
-    def applies_to(self, idx_mapping_np: np.ndarray) -> bool:
-        """Whether any row of the batch uses a penalty."""
-        return bool(np.any(self.use_penalty[idx_mapping_np]))
-
     def apply(
-        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+        self,
+        logits: torch.Tensor,  # fp32 [num_rows, V], changed in place
+        states: SamplingStates,
+        idx_mapping: torch.Tensor,  # int64 [num_rows]
+        idx_mapping_np: np.ndarray,  # [num_rows]
     ) -> None:
-        """Penalise logits fp32 [num_rows, V] in place; skipped when no slot uses penalties."""
-        if not self.applies_to(idx_mapping_np):
+        """Penalise the batch's logits; skipped when no row uses penalties."""
+        if not states.any_penalties(idx_mapping_np):
             return
         assert self.prompt_mask is not None and self.output_counts is not None
         apply_penalties(
             logits,
-            self.repetition_penalty.dev[idx_mapping],
-            self.frequency_penalty.dev[idx_mapping],
-            self.presence_penalty.dev[idx_mapping],
+            states.repetition_penalty[idx_mapping],
+            states.frequency_penalty[idx_mapping],
+            states.presence_penalty[idx_mapping],
             self.prompt_mask[idx_mapping],
             self.output_counts[idx_mapping],
         )

@@ -1,4 +1,9 @@
-"""The sampler: per-slot state plus the per-step pipeline that turns logits into token ids.
+"""The sampler: the per-step pipeline that turns logits into token ids.
+
+It reads the sampling parameters from ``SamplingStates`` (the sampling columns of the request
+slots, brought to the device by the step's staging copy) and keeps only what is its own: the
+token histories of the penalties and the logit_bias / min_tokens tables, device tensors keyed
+by the same slots.
 
 Per step (rows gathered through idx_mapping, batch row -> slot):
   1. logits upcast to fp32 (the model's logits stay untouched, for raw logprobs)
@@ -15,20 +20,21 @@ logits as they are (the token samplers never modify their input).
 
 Nothing here makes the device wait for the host: no ``.item()``, no ``torch.multinomial``, no
 branch on a device value. The only branches are on host-side facts about the batch, read from
-numpy mirrors of the per-slot parameters with idx_mapping_np.
+the host columns of the per-slot parameters with idx_mapping_np.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from pagedserve.sample.logit_bias import LogitBiasState, min_tokens_stop_ids
-from pagedserve.sample.logprob import compute_topk_logprobs
-from pagedserve.sample.output import SamplerOutput
-from pagedserve.sample.penalties import PenaltiesState, uses_penalties
-from pagedserve.sample.states import NO_LOGPROBS, SamplingStates
-from pagedserve.sample.token_sampler import make_token_sampler
+from pagedserve.platform import platform_for
+from pagedserve.sample.logit_bias import LogitBiasTables, min_tokens_stop_ids
+from pagedserve.sample.logprob import LogprobsTensors, compute_topk_logprobs
+from pagedserve.sample.penalties import PenaltyHistories
+from pagedserve.sample.states import NO_LOGPROBS, SamplingStates, uses_penalties
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -38,18 +44,24 @@ def _check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"{field}: token id(s) {bad[:5]} out of vocabulary (size {vocab_size})")
 
 
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [num_rows]
+    logprobs: LogprobsTensors | None  # None when no row of the batch asked for logprobs
+
+
 class Sampler:
-    def __init__(
-        self, max_num_reqs: int, vocab_size: int, device: torch.device, seed: int = 0
-    ) -> None:
-        self.max_num_reqs = max_num_reqs
-        self.vocab_size = vocab_size
-        self.device = device
-        self.states = SamplingStates(max_num_reqs, vocab_size, device, seed)
-        self.penalties = PenaltiesState(max_num_reqs, vocab_size, device)
-        self.logit_bias = LogitBiasState(max_num_reqs, device)
-        # torch ops on the CPU, Triton kernels on CUDA; tests and benchmarks may swap it.
-        self.token_sampler = make_token_sampler(vocab_size, device)
+    def __init__(self, states: SamplingStates) -> None:
+        """``states``: the sampling columns it reads (their writes are the caller's, with the
+        staging copy that brings them to the device before a call)."""
+        self.states = states
+        self.max_num_reqs = states.max_num_reqs
+        self.vocab_size = states.vocab_size
+        self.device = states.device
+        self.penalties = PenaltyHistories(self.max_num_reqs, self.vocab_size, self.device)
+        self.logit_bias = LogitBiasTables(self.max_num_reqs, self.device)
+        # The platform's: torch ops on the CPU, Triton kernels on CUDA; tests may swap it.
+        self.token_sampler = platform_for(self.device).token_sampler(self.vocab_size)
 
     def add_request(
         self,
@@ -59,10 +71,12 @@ class Sampler:
         output_token_ids: list[int],
         eos_token_id: int | None = None,
     ) -> None:
-        """Give a request's sampling state to ``slot``.
+        """Build the sampler's own state of a request that takes ``slot`` (its parameters are
+        in ``states`` already): penalty histories, logit_bias and min_tokens stop tokens.
 
-        output_token_ids is non-empty when a preempted request resumes: its penalty counts,
-        min_tokens progress and seeded noise stream continue where they stopped.
+        output_token_ids is non-empty when a preempted request resumes: its penalty counts
+        continue where they stopped (``states`` continues its output count, hence min_tokens
+        progress and the seeded noise stream).
         """
         if not 0 <= slot < self.max_num_reqs:
             raise ValueError(f"slot: {slot} not in [0, {self.max_num_reqs})")
@@ -73,24 +87,17 @@ class Sampler:
         if uses_penalties(params):  # only penalties index device tensors with these ids
             _check_token_ids("prompt_token_ids", prompt_token_ids, self.vocab_size)
             _check_token_ids("output_token_ids", output_token_ids, self.vocab_size)
-        self.states.add_request(slot, params, len(output_token_ids))
         self.penalties.add_request(slot, params, prompt_token_ids, output_token_ids)
         self.logit_bias.add_request(slot, params, eos_token_id)
-
-    def remove_request(self, slot: int) -> None:
-        self.states.remove_request(slot)
-        self.penalties.remove_request(slot)
-        self.logit_bias.remove_request(slot)
 
     def __call__(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
     ) -> SamplerOutput:
         """Sample one token per row of logits [num_rows, V] (model dtype)."""
         self._check_batch(logits, idx_mapping, idx_mapping_np)
-        self._copy_to_device()
         idx_mapping = idx_mapping.to(torch.int64)
         processed = logits
-        if self.logit_bias.applies_to(idx_mapping_np) or self.penalties.applies_to(idx_mapping_np):
+        if self.logit_bias.applies_to(idx_mapping_np) or self.states.any_penalties(idx_mapping_np):
             processed = self._process(logits, idx_mapping, idx_mapping_np)
         sampled = self.token_sampler.sample(processed, self.states, idx_mapping, idx_mapping_np)
         num_logprobs = self.states.max_num_logprobs(idx_mapping_np)
@@ -107,15 +114,14 @@ class Sampler:
         A new tensor; ``logits`` is not modified. Temperature and truncation come later.
         """
         self._check_batch(logits, idx_mapping, idx_mapping_np)
-        self._copy_to_device()
         return self._process(logits, idx_mapping.to(torch.int64), idx_mapping_np)
 
     def _process(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
     ) -> torch.Tensor:
         processed = logits.to(torch.float32, copy=True)  # [num_rows, V]
-        self.logit_bias.apply(processed, idx_mapping, idx_mapping_np, self.states.num_output_tokens)
-        self.penalties.apply(processed, idx_mapping, idx_mapping_np)
+        self.logit_bias.apply(processed, self.states, idx_mapping, idx_mapping_np)
+        self.penalties.apply(processed, self.states, idx_mapping, idx_mapping_np)
         return processed
 
     def update_after_sampling(
@@ -130,12 +136,6 @@ class Sampler:
         sampled_token_ids = sampled_token_ids.view(-1).to(torch.int64)
         self.states.num_output_tokens.index_add_(0, idx_mapping, torch.ones_like(idx_mapping))
         self.penalties.count_sampled(idx_mapping, sampled_token_ids)
-
-    def _copy_to_device(self) -> None:
-        """Apply the staged per-slot parameter writes of add_request/remove_request."""
-        self.states.copy_to_device()
-        self.penalties.copy_to_device()
-        self.logit_bias.copy_to_device()
 
     def _check_batch(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray

@@ -3,7 +3,7 @@
 Two implementations with one interface. ``TorchTokenSampler`` is the reference, built from torch
 ops (the CPU path, and the oracle the tests hold the fast path to). ``TritonTokenSampler``
 (``triton_token_sampler.py``) does the same on CUDA in two kernels without sorting the
-vocabulary. ``make_token_sampler`` is the only place that picks one.
+vocabulary. The platform picks one (``Platform.token_sampler``).
 
 Steps, per row: greedy rows (temperature < 1e-5) take the argmax; the others divide by
 temperature (fp32), apply min-p, top-k and top-p, then race argmax(x + g) with Gumbel noise g
@@ -44,13 +44,13 @@ def truncate(
     Returns ``logits`` itself, or a new tensor when top-p ran.
     """
     if states.any_temperature(idx_mapping_np):
-        logits.div_(states.temperature.dev[idx_mapping].unsqueeze(1))
+        logits.div_(states.temperature[idx_mapping].unsqueeze(1))
     if states.any_min_p(idx_mapping_np):
-        apply_min_p(logits, states.min_p.dev[idx_mapping])
+        apply_min_p(logits, states.min_p[idx_mapping])
     max_top_k = states.max_top_k(idx_mapping_np)
-    top_k = states.top_k.dev[idx_mapping] if max_top_k > 0 else None
+    top_k = states.top_k[idx_mapping] if max_top_k > 0 else None
     if states.any_top_p(idx_mapping_np):
-        return apply_top_k_top_p(logits, top_k, states.top_p.dev[idx_mapping])
+        return apply_top_k_top_p(logits, top_k, states.top_p[idx_mapping])
     if top_k is not None:
         apply_top_k(logits, top_k, max_top_k)
     return logits
@@ -80,18 +80,9 @@ class TorchTokenSampler:
         scaled = logits.to(torch.float32, copy=True)
         scaled = truncate(scaled, states, idx_mapping, idx_mapping_np)
         counters = states.num_output_tokens[idx_mapping]
-        seeds = states.seeds.dev[idx_mapping]
+        seeds = states.seeds[idx_mapping]
         sampled = gumbel_argmax(scaled, seeds, counters, self.vocab_keys)
         if greedy_ids is not None:
-            sampled = torch.where(states.greedy.dev[idx_mapping], greedy_ids, sampled)
+            sampled = torch.where(states.greedy[idx_mapping], greedy_ids, sampled)
         return sampled
 
-
-def make_token_sampler(vocab_size: int, device: torch.device) -> TokenSampler:
-    """The Triton kernels on CUDA, the torch reference everywhere else."""
-    if device.type == "cuda":
-        # Imported here: triton is a GPU-only dependency.
-        from pagedserve.sample.triton_token_sampler import TritonTokenSampler
-
-        return TritonTokenSampler(vocab_size, device)
-    return TorchTokenSampler(vocab_size, device)

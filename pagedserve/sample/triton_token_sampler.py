@@ -2,7 +2,7 @@
 and one fused noise-and-argmax pass. Same results as ``TorchTokenSampler`` (see
 ``pagedserve/kernels/sampling_*.py`` for where exactly, and the top-p rounding caveat).
 
-The kernels read per-slot parameters straight from the ``SamplingStates`` device buffers through
+The kernels read per-slot parameters straight from the ``SamplingStates`` device columns through
 idx_mapping and read the logits in their own dtype, so a step adds no gathers and no fp32 copy
 of the logits.
 """
@@ -15,6 +15,7 @@ import torch
 from pagedserve.kernels.sampling_common import SlotParams
 from pagedserve.kernels.sampling_gumbel import NoiseHash, gumbel_sample, num_splits_for
 from pagedserve.kernels.sampling_truncation import DEFAULT_BUFFER_SIZE, truncation_cuts
+from pagedserve.platform import platform_for
 from pagedserve.sample.noise import HASH_MUL, SEED_SALT, UNIFORM_BITS, VOCAB_SALT
 from pagedserve.sample.states import SamplingStates
 
@@ -26,20 +27,14 @@ _PROGRAMS_PER_SM = 2  # the noise pass splits rows until about this many program
 
 def slot_params(states: SamplingStates) -> SlotParams:
     return SlotParams(
-        temperature=states.temperature.dev,
-        greedy=states.greedy.dev,
-        top_k=states.top_k.dev,
-        top_p=states.top_p.dev,
-        min_p=states.min_p.dev,
-        seeds=states.seeds.dev,
+        temperature=states.temperature,
+        greedy=states.greedy,
+        top_k=states.top_k,
+        top_p=states.top_p,
+        min_p=states.min_p,
+        seeds=states.seeds,
         counters=states.num_output_tokens,
     )
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the CPU interpreter (tests)
 
 
 class TritonTokenSampler:
@@ -48,7 +43,7 @@ class TritonTokenSampler:
     ) -> None:
         self.vocab_size = vocab_size
         self.buffer_size = buffer_size  # per-row scratch of the truncation search
-        self.target_programs = _PROGRAMS_PER_SM * _num_sms(device)
+        self.target_programs = _PROGRAMS_PER_SM * platform_for(device).multiprocessor_count()
 
     def sample(
         self,

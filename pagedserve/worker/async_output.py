@@ -60,7 +60,9 @@ class AsyncOutput:
         self.sample_rows = sample_rows
         self.num_logprobs = num_logprobs
         self.prompt_spans = prompt_spans
-        self._device_refs = (sampler_output, prompt_logprobs)
+        # Keeps the device tensors alive until the copy of them is done.
+        self._device_refs: tuple[SamplerOutput | None, LogprobsTensors | None] | None = (
+            sampler_output, prompt_logprobs)
         self._event: torch.cuda.Event | None = None
         self.sampled: torch.Tensor | None = None  # int64 [num_sampled], host
         self.logprobs: LogprobsTensors | None = None  # [num_sampled, k + 1], host

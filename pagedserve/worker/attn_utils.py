@@ -1,36 +1,17 @@
-"""Attention plumbing of the runner: backend choice, one metadata object per step and the
-forward context that carries it to every layer by name.
+"""Attention plumbing of the runner: one metadata object per step and the forward context
+that carries it to every layer by name (the backend comes from ``Platform.attention_backend``).
 
 docs/architecture.md#step-5-attention-metadata and #step-6-forward."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from pagedserve.attention.backends.base import AttentionBackend, AttentionMetadata
-from pagedserve.attention.backends.cpu import CpuBackend
-from pagedserve.attention.backends.cpu_native import load_paged_decode_kernel
-from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.attention.layer import Attention
 from pagedserve.worker.cudagraph import CudaGraphMode
 from pagedserve.worker.input_batch import InputBatch
-
-
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton paged attention on CUDA when triton is installed; on the CPU the native decode
-    kernel when a C compiler can build it; else the torch reference."""
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        from pagedserve.attention.backends.triton import TritonBackend
-
-        return TritonBackend()
-    if device.type == "cpu":
-        kernel = load_paged_decode_kernel()
-        if kernel is not None:
-            return CpuBackend(kernel)
-    return TorchRefBackend()
 
 
 def build_attn_metadata(

@@ -18,13 +18,10 @@ import numpy as np
 import torch
 
 from pagedserve.core.sched_output import BlockIds
-from pagedserve.worker.ops import InputPrepOps
+from pagedserve.math_utils import cdiv
+from pagedserve.platform import InputPrepOps
 from pagedserve.worker.prefix_views import PrefixViews
-from pagedserve.worker.staging import StagedArray, StagingBuffer
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedserve.worker.staging import StagedArray, StagingBuffer, host_to_device
 
 
 def single_group(block_ids: BlockIds, req_id: str) -> list[int]:
@@ -141,15 +138,11 @@ class BlockTables:
             self._copy_rows()
 
     def _copy_rows(self) -> None:
-        """The overflow path: whole rows, in a pinned copy of their own (a new pinned block
-        from torch's caching host allocator, kept alive until the copy has run)."""
+        """The overflow path: whole rows, in a pinned copy of their own."""
         slots = np.fromiter(sorted(self._staged_rows), dtype=np.int64)  # [num_rows]
-        rows = torch.from_numpy(self.block_table_np[slots])  # int32 [num_rows, max_num_blocks]
-        index = torch.from_numpy(slots)
-        if self.device.type == "cuda":
-            rows, index = rows.pin_memory(), index.pin_memory()
-        self.block_table.index_copy_(0, index.to(self.device, non_blocking=True),
-                                     rows.to(self.device, non_blocking=True))
+        rows = self.block_table_np[slots]  # int32 [num_rows, max_num_blocks]
+        self.block_table.index_copy_(0, host_to_device(slots, torch.int64, self.device),
+                                     host_to_device(rows, torch.int32, self.device))
         self._staged_rows.clear()
 
     def gather_block_tables(

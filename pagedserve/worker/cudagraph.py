@@ -75,9 +75,10 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.math_utils import cdiv
 from pagedserve.model.shape import ModelShape
+from pagedserve.platform import platform_for
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.block_table import cdiv
 from pagedserve.worker.kv_cache import used_device_bytes
 
 if TYPE_CHECKING:
@@ -343,7 +344,8 @@ class CudaGraphManager:
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.pool = GraphPool() if config.compilation.uses_cuda_graphs(device.type) else None
+        graphs = config.compilation.uses_cuda_graphs(platform_for(device))
+        self.pool = GraphPool() if graphs else None
         """Shared by every graph of the model; the compiled forward's wrappers capture into
         it."""
         self.memory = GraphMemory()

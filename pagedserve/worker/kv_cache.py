@@ -9,7 +9,7 @@ docs/architecture.md#kv-cache-and-prefix-caching.
 
 On the CPU a context that does not fit the budget is shortened to what fits, with one warning
 (``fit_max_model_len``), so that a first run on a small machine works; and the cache's zeros
-come from the kernel's zero pages (``zeroed_host_tensor``), so a large budget costs memory
+come from the kernel's zero pages (``Platform.zeros``), so a large budget costs memory
 only as requests fill it.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import time
 
@@ -25,7 +24,8 @@ import torch
 
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import log_phase
-from pagedserve.worker.block_table import cdiv
+from pagedserve.math_utils import cdiv
+from pagedserve.platform import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +82,6 @@ def fit_max_model_len(max_model_len: int, budget_bytes: int, bytes_per_block: in
     return fitting
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on a private anonymous memory map: the kernel maps its pages
-    in zeroed on first touch, so untouched parts cost neither time nor memory (``torch.zeros``
-    writes every byte up front)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the map alive
-    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
-
-
 def kv_bytes_per_block(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> int:
     elem_size = torch.empty((), dtype=dtype).element_size()
     per_layer = [math.prod(layer.kv_cache_shape(1, block_size)) for layer in layers.values()]
@@ -135,17 +126,10 @@ def allocate_kv_caches(
 ) -> dict[str, torch.Tensor]:
     """layer name -> [2, num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
     start = time.perf_counter()
-    if device.type == "cpu":
-        caches = {name: zeroed_host_tensor(tuple(layer.kv_cache_shape(num_blocks, block_size)),
-                                           dtype) for name, layer in layers.items()}
-    else:
-        caches = {
-            name: torch.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype=dtype,
-                              device=device)
-            for name, layer in layers.items()
-        }
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the zero-fill belongs to the allocation's time
+    platform = platform_for(device)
+    caches = {name: platform.zeros(layer.kv_cache_shape(num_blocks, block_size), dtype)
+              for name, layer in layers.items()}
+    platform.synchronize()  # the zero-fill belongs to the allocation's time
     nbytes = sum(t.numel() * t.element_size() for t in caches.values())
     log_phase(logger, "allocate KV cache", time.perf_counter() - start,
               f"{num_blocks} blocks, {nbytes / _GIB:.2f} GiB", num_blocks=num_blocks,

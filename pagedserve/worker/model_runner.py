@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,16 +30,12 @@ from pagedserve.core.sched_output import (
 )
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
-from pagedserve.platform import resolve_dtype
+from pagedserve.platform import platform_for, resolve_dtype
 from pagedserve.sample import Sampler, SamplerOutput
 from pagedserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput
-from pagedserve.worker.attn_utils import (
-    build_attn_metadata,
-    make_forward_context,
-    select_attention_backend,
-)
+from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
 from pagedserve.worker.block_table import BlockTables, single_group
 from pagedserve.worker.cudagraph import CudaGraphManager, padded_buffer_sizes
 from pagedserve.worker.input_batch import (
@@ -48,11 +45,10 @@ from pagedserve.worker.input_batch import (
     prepare_inputs,
     stage_batch,
 )
-from pagedserve.worker.ops import select_input_prep_ops
 from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
 from pagedserve.worker.staging import StagingBuffer
-from pagedserve.worker.states import NO_LOGPROBS, RequestStates
+from pagedserve.worker.states import RequestStates
 
 
 @dataclass
@@ -68,7 +64,9 @@ class ExecuteModelState:
 
 def _first_eos(hf_config: object) -> int | None:
     eos = getattr(hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list | tuple) and eos else eos
+    if isinstance(eos, list | tuple):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
 
 
 class ModelRunner:
@@ -82,9 +80,11 @@ class ModelRunner:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         # Buffers hold the padded sizes: a step may pad up to the next capture size of its mode.
         self.max_num_tokens, self.max_num_reqs_padded = padded_buffer_sizes(config)
-        self.ops = select_input_prep_ops(device)
-        self.attn_backend = select_attention_backend(device)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The device's implementations, chosen once here; no step branches on the device.
+        self.platform = platform_for(device)
+        self.ops = self.platform.input_prep_ops()
+        self.attn_backend = self.platform.attention_backend()
+        self.copy_stream = self.platform.new_stream()
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
@@ -97,41 +97,43 @@ class ModelRunner:
     def load_model(self) -> None:
         """Load the weights, then size every per-request buffer from the model's context."""
         # Card memory in use before this engine (CUDA context, other engines): not its budget.
-        on_cuda = self.device.type == "cuda"
-        self.memory_baseline = kv_cache.used_device_bytes(self.device) if on_cuda else 0
-        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.memory_baseline = (kv_cache.used_device_bytes(self.device)
+                                if self.platform.kv_budget_from_memory else 0)
+        before = self.platform.memory_allocated()
         self.model, self.hf_config = load_model(self.config.model, self.device, self.dtype)
-        if self.device.type == "cuda":
-            self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.weights_bytes = self.platform.memory_allocated() - before
         self.max_model_len = get_max_model_len(self.config.model, self.hf_config)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
-        if self.device.type != "cuda":
+        if not self.platform.kv_budget_from_memory:
             self.max_model_len = self._fit_cpu_context(self.max_model_len)
         # The model's shape decides an unset budget_step_graph (the buffers' sizes do not
         # depend on it: see padded_buffer_sizes).
         self.graphs = CudaGraphManager(self.config, ModelShape.from_hf_config(self.hf_config),
                                        self.max_model_len, self.device)
         self.layer_names = list(self.attn_layers)
-        # Every array the host writes for the device each step, in one buffer: one copy.
+        # Every array the host writes for the device each step (the sampling parameters
+        # included), in one buffer: one copy.
         self.staging = StagingBuffer(
             RequestStates.staged_arrays(self.max_num_reqs)
             + InputBuffers.staged_arrays(self.max_num_reqs_padded)
             + BlockTables.staged_arrays(self.max_num_reqs, self.max_num_tokens, self.block_size),
             self.device)
-        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.device,
-                                    self.staging)
+        self.states = RequestStates(self.max_num_reqs, self.max_model_len, self.vocab_size,
+                                    self.device, self.config.model.seed, self.staging)
         self.block_tables = BlockTables(self.max_num_reqs, self.max_model_len,
                                         self.max_num_tokens, self.block_size, self.device,
                                         self.ops, self.staging)
         self.buffers = InputBuffers(self.max_num_reqs_padded, self.max_num_tokens, self.device,
                                     self.staging)
-        self.sampler = Sampler(self.max_num_reqs, self.vocab_size, self.device,
-                               seed=self.config.model.seed)
-        self.forward_fn = self.model
+        self.sampler = Sampler(self.states.sampling)
+        # hidden states [num_rows, H] -> logits [num_rows, V] (the LM head)
+        self.compute_logits = cast(Callable[[torch.Tensor], torch.Tensor],
+                                   self.model.compute_logits)
+        self.forward_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         compilation = self.config.compilation
-        if compilation.uses_compile(self.device.type):
+        if compilation.uses_compile(self.platform):
             self.compiled_forward = CompiledForward(
                 self.model, compilation.piece_compiler, self.graphs.pool,
                 one_token_forward=self._one_token_forward())
@@ -141,7 +143,8 @@ class ModelRunner:
         """The model's own forward for one-token steps, where configured and the model has one
         (CUDA: the fused GEMV kernels are Triton's; on the CPU the compiled forward serves
         every step)."""
-        if self.config.compilation.one_token_step != "gemv" or self.device.type != "cuda":
+        if (self.config.compilation.one_token_step != "gemv"
+                or not self.platform.has_triton_kernels()):
             return None
         declared = getattr(self.model, "one_token_forward", None)  # a model capability
         return None if declared is None else declared()
@@ -167,7 +170,7 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if self.device.type == "cuda":
+        if self.platform.kv_budget_from_memory:
             step = profile_step(self.max_num_batched_tokens, self.max_num_reqs,
                                 self.max_model_len, self.block_size)
             profiler = MemoryProfiler(self.device, step, self.memory_baseline, self.weights_bytes)
@@ -198,9 +201,7 @@ class ModelRunner:
     # ---- step 1: the plan (docs/architecture.md#step-1-apply-the-plan) --------------------
 
     def _remove_request(self, req_id: str) -> None:
-        slot = self.states.remove_request(req_id)
-        if slot is not None:
-            self.sampler.remove_request(slot)
+        self.states.remove_request(req_id)
 
     def _add_request(self, new: NewRequestData) -> None:
         slot = self.states.add_request(new.req_id, new.prefill_token_ids, new.num_prompt_tokens,
@@ -306,8 +307,7 @@ class ModelRunner:
             sampler_output = self._sample(state.hidden_states, batch.sample_logits_indices,
                                           idx_mapping, idx_mapping_np, grammar, sampled_req_ids)
             if sampler_output.logprobs is not None:
-                num_logprobs = [None if k == NO_LOGPROBS else k
-                                for k in self.states.num_logprobs_np[idx_mapping_np].tolist()]
+                num_logprobs = self.states.sampling.num_logprobs(idx_mapping_np)
         prompt_plan = None
         if (self.states.num_prompt_logprobs_reqs
                 and self.states.wants_prompt_logprobs_np[batch.idx_mapping_np].any()):
@@ -318,7 +318,7 @@ class ModelRunner:
             num_logprobs=num_logprobs,
             sampler_output=sampler_output,
             prompt_logprobs=None if prompt_plan is None else compute_batch_prompt_logprobs(
-                prompt_plan, state.hidden_states, self.model.compute_logits,
+                prompt_plan, state.hidden_states, self.compute_logits,
                 self.states.all_token_ids),
             prompt_spans=[] if prompt_plan is None else prompt_plan.spans,
             copy_stream=self.copy_stream,
@@ -342,7 +342,7 @@ class ModelRunner:
     def _compute_logits(self, hidden_states: torch.Tensor,
                         logits_indices: torch.Tensor) -> torch.Tensor:
         sample_hidden_states = hidden_states.index_select(0, logits_indices)  # [num_rows, H]
-        return self.model.compute_logits(sample_hidden_states)  # [num_rows, V]
+        return self.compute_logits(sample_hidden_states)  # [num_rows, V]
 
     def _postprocess(self, idx_mapping: torch.Tensor, sampler_output: SamplerOutput) -> None:
         """The next step reads these tokens on the device; the host never needs them to build

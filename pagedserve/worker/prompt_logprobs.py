@@ -19,6 +19,7 @@ import torch
 from pagedserve.sample import LogprobsTensors, compute_prompt_logprobs
 from pagedserve.worker.async_output import PromptLogprobsSpan
 from pagedserve.worker.input_batch import InputBatch
+from pagedserve.worker.staging import host_to_device
 from pagedserve.worker.states import RequestStates
 
 LOGITS_CHUNK_ROWS = 1024
@@ -46,7 +47,7 @@ def plan_prompt_logprobs(batch: InputBatch, states: RequestStates) -> PromptLogp
         params = states.sampling_params[slot]
         if params is None or params.prompt_logprobs is None:
             continue
-        if states.num_output_tokens_np[slot] > 0:
+        if states.num_resumed_output_tokens_np[slot] > 0:
             continue
         start = int(plan.num_computed_tokens_np[i])
         end = min(start + int(plan.query_lens_np[i]), int(states.num_prompt_tokens_np[slot]) - 1)
@@ -73,10 +74,10 @@ def compute_batch_prompt_logprobs(
 ) -> LogprobsTensors:
     """One LogprobsTensors for all planned rows, top-k = the largest k asked in the batch."""
     device = hidden_states.device
-    hidden_rows = torch.from_numpy(plan.hidden_rows_np).to(device, non_blocking=True)
+    hidden_rows = host_to_device(plan.hidden_rows_np, torch.int64, device)  # [num_rows]
     target_ids = all_token_ids[
-        torch.from_numpy(plan.target_slots_np).to(device, non_blocking=True),
-        torch.from_numpy(plan.target_pos_np).to(device, non_blocking=True),
+        host_to_device(plan.target_slots_np, torch.int64, device),
+        host_to_device(plan.target_pos_np, torch.int64, device),
     ].long()  # int64 [num_rows]
     parts = []
     for start in range(0, hidden_rows.shape[0], LOGITS_CHUNK_ROWS):

@@ -11,6 +11,10 @@ A pinned host buffer must not change while a copy from it is still queued: ``wai
 waits for the last copy (an event), and callers call it before they write for the next step.
 The last copy is the first work of the previous step on the device, so the wait is normally
 over before it starts. On the CPU the copy is a plain memcpy (the same code path, no pinning).
+
+What is not a per-step array (a new request's prefill tokens, its penalty histories, its
+logit_bias row) travels once, when the request arrives, through ``host_to_device`` or
+``copy_from_host``: a fresh pinned copy, so it does not wait for the device either.
 """
 
 from __future__ import annotations
@@ -20,7 +24,31 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.math_utils import round_up
+from pagedserve.platform import platform_for
+
 _ALIGN = 64  # bytes; every array starts at a multiple (any dtype view is aligned)
+
+
+def _pinned(values: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor of ``values``, pinned when it is bound for a CUDA device (a copy from
+    pageable memory may wait for the device; the caching host allocator keeps a pinned block
+    alive until the copy queued from it has run, so the caller may reuse its data at once)."""
+    src = torch.as_tensor(values, dtype=dtype)
+    return src.pin_memory() if platform_for(device).pin_memory else src
+
+
+def host_to_device(
+    values: np.ndarray | list, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A new device tensor holding ``values``, copied without waiting for the device. On the
+    CPU it may share memory with a numpy ``values`` of the same dtype."""
+    return _pinned(values, dtype, device).to(device, non_blocking=True)
+
+
+def copy_from_host(dst: torch.Tensor, values: np.ndarray | list) -> None:
+    """``dst[:] = values`` for a device tensor, queued without waiting for the device."""
+    dst.copy_(_pinned(values, dst.dtype, dst.device), non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -46,10 +74,11 @@ class StagingBuffer:
         for a in arrays:
             end = offset + a.numel * a.dtype.itemsize
             spans[a.name] = (offset, end)
-            offset = -(-end // _ALIGN) * _ALIGN
+            offset = round_up(end, _ALIGN)
         self.nbytes = max(offset, _ALIGN)
-        pinned = device.type == "cuda"
-        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        platform = platform_for(device)
+        self.host_bytes = torch.zeros(self.nbytes, dtype=torch.uint8,
+                                      pin_memory=platform.pin_memory)
         self.device_bytes = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
         self.host: dict[str, np.ndarray] = {}
         self.device_views: dict[str, torch.Tensor] = {}
@@ -57,7 +86,7 @@ class StagingBuffer:
             start, end = spans[a.name]
             self.host[a.name] = self.host_bytes[start:end].view(a.dtype).numpy()
             self.device_views[a.name] = self.device_bytes[start:end].view(a.dtype)
-        self._copied = torch.cuda.Event() if pinned else None
+        self._copied = platform.new_event()  # None where copies are synchronous
         self._copy_pending = False
 
     def wait_for_copy(self) -> None:

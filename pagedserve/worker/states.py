@@ -2,12 +2,14 @@
 
 A step never moves rows; it reads them through ``idx_mapping`` (batch row -> slot). Slots are
 handed out from the top (the first request gets ``max_num_reqs - 1``) and a freed slot is the
-next one handed out again, as in the seed.
+next one handed out again.
 
-Host numpy mirrors hold what the host must know without asking the device (counts, lengths).
-The per-step ones live in a ``StagingBuffer`` (shared with the runner's other per-step arrays):
-its one copy per step updates their device twins. Token ids of a prompt live on the device only
-(``all_token_ids``): the input kernels read them from there.
+Host numpy arrays hold what the host must know without asking the device (counts, lengths).
+Those the device reads too live in a ``StagingBuffer`` (shared with the runner's other per-step
+arrays): its one copy per step updates their device twins. The sampling parameters are columns
+of the same slots (``sampling``, a ``SamplingStates`` in the same staging buffer), read by the
+sampler. Token ids of a prompt live on the device only (``all_token_ids``): the input kernels
+read them from there.
 """
 
 from __future__ import annotations
@@ -15,30 +17,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.sample.states import SamplingStates
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.staging import StagedArray, StagingBuffer
-
-NO_LOGPROBS = -1
-"""``num_logprobs_np`` of a slot whose request asks for no logprobs."""
+from pagedserve.worker.staging import StagedArray, StagingBuffer, copy_from_host
 
 
 class RequestStates:
     @staticmethod
     def staged_arrays(max_num_reqs: int) -> list[StagedArray]:
-        """The arrays RequestStates keeps in a staging buffer."""
+        """The arrays RequestStates keeps in a staging buffer, its sampling columns included."""
         return [
             StagedArray("num_computed_tokens", torch.int32, max_num_reqs),
             StagedArray("prefill_len", torch.int32, max_num_reqs),
+            *SamplingStates.staged_arrays(max_num_reqs),
         ]
 
     def __init__(
         self,
         max_num_reqs: int,
         max_model_len: int,
+        vocab_size: int,
         device: torch.device,
+        seed: int = 0,
         staging: StagingBuffer | None = None,
     ) -> None:
-        """``staging`` must hold ``staged_arrays(max_num_reqs)``; None: a buffer of its own."""
+        """``staging`` must hold ``staged_arrays(max_num_reqs)``; None: a buffer of its own.
+        ``seed``: the engine seed, from which requests without a seed get theirs."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.device = device
@@ -60,8 +64,10 @@ class RequestStates:
         self.prefill_len_np = staging.host["prefill_len"]  # int32 [max_num_reqs]
         self.prefill_len = staging.device_views["prefill_len"]  # int32 [max_num_reqs], twin
         self.num_prompt_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
-        # Generated tokens inside the prefill (non-zero for a request resumed after preemption).
-        self.num_output_tokens_np = np.zeros(max_num_reqs, dtype=np.int32)  # [max_num_reqs]
+        # Output tokens a request brings back in its prefill (resumed after preemption; else 0).
+        self.num_resumed_output_tokens_np = np.zeros(
+            max_num_reqs, dtype=np.int32
+        )  # [max_num_reqs]
         # Row s, entries [0, prefill_len[s]): the slot's prefill tokens. Later entries unused:
         # generated tokens reach the next step through last_sampled_tokens.
         self.all_token_ids = torch.zeros(
@@ -73,8 +79,8 @@ class RequestStates:
             max_num_reqs, dtype=torch.int64, device=device
         )  # int64 [max_num_reqs]
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
-        # Per slot, from its SamplingParams, for vectorised questions about a batch.
-        self.num_logprobs_np = np.full(max_num_reqs, NO_LOGPROBS, dtype=np.int32)  # [max_num_reqs]
+        self.sampling = SamplingStates(max_num_reqs, vocab_size, device, seed, staging)
+        # Per slot, from its SamplingParams, for a vectorised question about a batch.
         self.wants_prompt_logprobs_np = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
         self.num_prompt_logprobs_reqs = 0
         """Slots whose request asks for prompt logprobs (0: no step needs to look)."""
@@ -109,18 +115,14 @@ class RequestStates:
         self.index_to_req_id[slot] = req_id
         self.prefill_len_np[slot] = prefill_len
         self.num_prompt_tokens_np[slot] = num_prompt_tokens
-        self.num_output_tokens_np[slot] = prefill_len - num_prompt_tokens
+        self.num_resumed_output_tokens_np[slot] = prefill_len - num_prompt_tokens
         self.num_computed_tokens_np[slot] = num_computed_tokens
         self.sampling_params[slot] = sampling_params
-        logprobs = sampling_params.logprobs
-        self.num_logprobs_np[slot] = NO_LOGPROBS if logprobs is None else logprobs
+        self.sampling.add_request(slot, sampling_params, prefill_len - num_prompt_tokens)
         wants_prompt_logprobs = sampling_params.prompt_logprobs is not None
         self.wants_prompt_logprobs_np[slot] = wants_prompt_logprobs
         self.num_prompt_logprobs_reqs += wants_prompt_logprobs
-        tokens = torch.tensor(prefill_token_ids, dtype=torch.int32)  # int32 [prefill_len], host
-        if self.device.type == "cuda":
-            tokens = tokens.pin_memory()  # a copy from pageable memory may wait for the device
-        self.all_token_ids[slot, :prefill_len].copy_(tokens, non_blocking=True)
+        copy_from_host(self.all_token_ids[slot, :prefill_len], prefill_token_ids)
         return slot
 
     def remove_request(self, req_id: str) -> int | None:
@@ -130,7 +132,7 @@ class RequestStates:
             return None
         del self.index_to_req_id[slot]
         self.sampling_params[slot] = None
-        self.num_logprobs_np[slot] = NO_LOGPROBS
+        self.sampling.remove_request(slot)
         self.num_prompt_logprobs_reqs -= bool(self.wants_prompt_logprobs_np[slot])
         self.wants_prompt_logprobs_np[slot] = False
         self.free_slots.append(slot)

@@ -133,14 +133,14 @@ def test_no_compiler_keeps_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture  # noqa: ANN001
 ) -> None:
     """A compiler that fails: no kernel, one warning naming the reason, the torch backend."""
-    from pagedserve.worker.attn_utils import select_attention_backend
+    from pagedserve.platform import CpuPlatform
 
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cpu_native.load_paged_decode_kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
-            backend = select_attention_backend(torch.device("cpu"))
+            backend = CpuPlatform(torch.device("cpu")).attention_backend()
         assert isinstance(backend, TorchRefBackend) and not isinstance(backend, CpuBackend)
         assert "false failed" in caplog.text
     finally:

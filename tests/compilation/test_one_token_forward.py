@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedserve.model.gemv_decode import GemvDecodeForward
+from pagedserve.platform import platform_for
 from tests.compilation.conftest import DEEP_LLAMA, _runner
 from tests.compilation.test_compiled_forward import _generate
 
@@ -42,21 +43,21 @@ def test_runner_chooses_the_gemv_forward_where_it_applies(
 ) -> None:
     """CUDA + ``one_token_step="gemv"`` + a supported model: the GEMV forward; otherwise none
     (the compiled forward serves one-token steps), with the reason logged. The choice touches
-    no device, so a CPU runner told it is on CUDA shows it."""
+    no device, so a CPU runner given the CUDA platform shows it."""
     torch.manual_seed(0)
     for name, head_dim in (("fits", 16), ("odd_tile", 8)):
         config = LlamaConfig(**{**DEEP_LLAMA, "hidden_size": 4 * head_dim})
         LlamaForCausalLM(config).save_pretrained(tmp_path / name)
     runner = _runner(tmp_path / "fits", "compile")
     assert runner._one_token_forward() is None  # the CPU: no Triton kernels in serving
-    runner.device = torch.device("cuda")
+    runner.platform = platform_for(torch.device("cuda"))
     assert isinstance(runner._one_token_forward(), GemvDecodeForward)
     compilation = dataclasses.replace(runner.config.compilation, one_token_step="compiled")
     runner.config = dataclasses.replace(runner.config, compilation=compilation)
     assert runner._one_token_forward() is None
 
     runner = _runner(tmp_path / "odd_tile", "compile")
-    runner.device = torch.device("cuda")
+    runner.platform = platform_for(torch.device("cuda"))
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         assert runner._one_token_forward() is None
     assert "one-token steps run the compiled forward: head_dim 8" in caplog.text

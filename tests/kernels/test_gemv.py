@@ -54,7 +54,7 @@ def test_rmsnorm_gate_up_silu(config: gemv.GemvConfig | None, with_bias: bool) -
     bias = _rand(2 * inter) if with_bias else None
     got = gemv.rmsnorm_gate_up_silu(x, norm.weight, EPS, w, bias, config=config)
     assert got.shape == (1, inter)
-    _close(got, SiluAndMul()(F.linear(norm(x), w, bias)))
+    _close(got, SiluAndMul(DEVICE)(F.linear(norm(x), w, bias)))
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -76,7 +76,7 @@ def test_qkv_shards(num_kv_heads: int, tp_size: int) -> None:
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_merged_gate_up(tp_size: int) -> None:
     gate, up, x = torch.randn(6, 8), torch.randn(6, 8), torch.randn(3, 8)
-    act = SiluAndMul()
+    act = SiluAndMul(CPU)
     outputs = []
     for rank in range(tp_size):
         layer = MergedColumnParallelLinear(8, [6, 6], False, F32, CPU, rank, tp_size)
@@ -114,4 +114,4 @@ def test_tp_configuration_errors() -> None:
 
 def test_silu_and_mul() -> None:
     x = torch.randn(3, 10)
-    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:])
+    torch.testing.assert_close(SiluAndMul(CPU)(x), F.silu(x[:, :5]) * x[:, 5:])

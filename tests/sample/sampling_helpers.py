@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedserve.sample import Sampler
+from pagedserve.sample import Sampler, SamplingStates
 from pagedserve.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -14,6 +14,28 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # e.g. NIST/SEMATECH e-Handbook 1.3.6.7.4). A correct sampler fails such a test for one seed in
 # a thousand; the seeds below are fixed, so each test's outcome is deterministic.
 CHI2_CRITICAL_0_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
+
+
+def make_sampler(
+    num_slots: int, vocab_size: int, device: torch.device, seed: int = 0
+) -> Sampler:
+    """A Sampler over sampling columns of its own (in the runner they belong to RequestStates)."""
+    return Sampler(SamplingStates(num_slots, vocab_size, device, seed))
+
+
+def add_request(
+    sampler: Sampler,
+    slot: int,
+    params: SamplingParams,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    eos_token_id: int | None = None,
+) -> None:
+    """What the runner does for a request that takes ``slot``: its row of sampling columns,
+    the sampler's own state of it, and the step's staging copy before the next sampler call."""
+    sampler.states.add_request(slot, params, len(output_token_ids))
+    sampler.add_request(slot, params, prompt_token_ids, output_token_ids, eos_token_id)
+    sampler.states.staging.copy_to_device()
 
 
 def batch_of(slots: list[int], device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
@@ -35,9 +57,9 @@ def draw_counts(
     the sampler's engine-seeded generator); each step samples all slots and advances them.
     """
     vocab_size = logits_row.shape[0]
-    sampler = Sampler(num_slots, vocab_size, logits_row.device, seed=seed)
+    sampler = make_sampler(num_slots, vocab_size, logits_row.device, seed=seed)
     for slot in range(num_slots):
-        sampler.add_request(slot, params, [0], [])
+        add_request(sampler, slot, params, [0], [])
     idx_mapping, idx_np = batch_of(list(range(num_slots)), logits_row.device)
     logits = logits_row.unsqueeze(0).expand(num_slots, -1).contiguous()
     counts = np.zeros(vocab_size, dtype=np.int64)

@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.sample import Sampler
 from pagedserve.sampling_params import SamplingParams
-from tests.sample.sampling_helpers import batch_of
+from tests.sample.sampling_helpers import add_request, batch_of, make_sampler
 
 V = 8
 RAW = [1.5, -0.5, 2.0, -1.0, 0.25, 0.0, -2.0, 3.0]
@@ -40,8 +40,8 @@ def processed(sampler: Sampler, logits: torch.Tensor, slots: list[int]) -> np.nd
 def test_penalties_follow_the_rules(device: torch.device) -> None:
     prompt, output = [0, 1, 5], [2, 3, 3]
     params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
-    sampler = Sampler(4, V, device)
-    sampler.add_request(2, params, prompt, output)
+    sampler = make_sampler(4, V, device)
+    add_request(sampler, 2, params, prompt, output)
     logits = torch.tensor([RAW], device=device)
     expected = reference_penalties(RAW, prompt, output, 1.5, 0.3, 0.2)
     np.testing.assert_allclose(processed(sampler, logits, [2])[0], expected, rtol=1e-6)
@@ -64,8 +64,8 @@ def test_penalties_follow_the_rules(device: torch.device) -> None:
 )
 def test_each_penalty_alone(params: SamplingParams) -> None:
     prompt, output = [4, 6], [4, 1, 1]
-    sampler = Sampler(2, V, torch.device("cpu"))
-    sampler.add_request(0, params, prompt, output)
+    sampler = make_sampler(2, V, torch.device("cpu"))
+    add_request(sampler, 0, params, prompt, output)
     expected = reference_penalties(
         RAW,
         prompt,
@@ -81,9 +81,9 @@ def test_logit_bias_is_added_before_penalties_and_other_rows_are_untouched(
     device: torch.device,
 ) -> None:
     bias = {1: 1.0, 7: -100.0, 0: 2.5}
-    sampler = Sampler(4, V, device)
-    sampler.add_request(0, SamplingParams(logit_bias=bias, repetition_penalty=2.0), [1], [])
-    sampler.add_request(3, SamplingParams(temperature=0.5, top_k=2), [1, 2], [])
+    sampler = make_sampler(4, V, device)
+    add_request(sampler, 0, SamplingParams(logit_bias=bias, repetition_penalty=2.0), [1], [])
+    add_request(sampler, 3, SamplingParams(temperature=0.5, top_k=2), [1, 2], [])
     logits = torch.tensor([RAW, RAW], device=device, dtype=torch.bfloat16)
     got = processed(sampler, logits, [3, 0])
     np.testing.assert_array_equal(got[0], logits[0].float().cpu().numpy())
@@ -96,8 +96,8 @@ def test_logit_bias_is_added_before_penalties_and_other_rows_are_untouched(
 
 
 def test_process_logits_leaves_the_input_alone() -> None:
-    sampler = Sampler(1, V, torch.device("cpu"))
-    sampler.add_request(0, SamplingParams(logit_bias={2: 3.0}, presence_penalty=1.0), [], [2])
+    sampler = make_sampler(1, V, torch.device("cpu"))
+    add_request(sampler, 0, SamplingParams(logit_bias={2: 3.0}, presence_penalty=1.0), [], [2])
     logits = torch.tensor([RAW])
     processed(sampler, logits, [0])
     assert logits[0].tolist() == RAW
@@ -106,8 +106,8 @@ def test_process_logits_leaves_the_input_alone() -> None:
 def test_min_tokens_blocks_eos_and_stop_token_ids(device: torch.device) -> None:
     """Greedy on logits that favour eos (7), then stop token 4: both blocked for 3 tokens."""
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4])
-    sampler = Sampler(2, V, device)
-    sampler.add_request(1, params, [0], [], eos_token_id=7)
+    sampler = make_sampler(2, V, device)
+    add_request(sampler, 1, params, [0], [], eos_token_id=7)
     logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 4.0, 0.0, 0.0, 5.0]], device=device)
     idx_mapping, idx_np = batch_of([1], device)
     tokens = []
@@ -119,10 +119,11 @@ def test_min_tokens_blocks_eos_and_stop_token_ids(device: torch.device) -> None:
 
 
 def test_min_tokens_counts_resumed_output_and_respects_ignore_eos() -> None:
-    sampler = Sampler(2, V, torch.device("cpu"))
+    sampler = make_sampler(2, V, torch.device("cpu"))
     params = SamplingParams(min_tokens=3, stop_token_ids=[4])
-    sampler.add_request(0, params, [0], [1, 1], eos_token_id=7)  # resumed: 1 token to go
-    sampler.add_request(
+    add_request(sampler, 0, params, [0], [1, 1], eos_token_id=7)  # resumed: 1 token to go
+    add_request(
+        sampler,
         1,
         SamplingParams(min_tokens=3, stop_token_ids=[4], ignore_eos=True),
         [0],
@@ -139,24 +140,25 @@ def test_min_tokens_counts_resumed_output_and_respects_ignore_eos() -> None:
 
 
 def test_a_new_request_in_a_used_slot_starts_clean() -> None:
-    sampler = Sampler(1, V, torch.device("cpu"))
-    sampler.add_request(
+    sampler = make_sampler(1, V, torch.device("cpu"))
+    add_request(
+        sampler,
         0,
         SamplingParams(logit_bias={3: 5.0}, frequency_penalty=1.0, min_tokens=2),
         [0],
         [6],
         eos_token_id=7,
     )
-    sampler.remove_request(0)
-    sampler.add_request(0, SamplingParams(presence_penalty=0.5), [1], [])
+    sampler.states.remove_request(0)  # what RequestStates.remove_request does
+    add_request(sampler, 0, SamplingParams(presence_penalty=0.5), [1], [])
     got = processed(sampler, torch.tensor([RAW]), [0])
     np.testing.assert_array_equal(got[0], np.array(RAW, dtype=np.float32))
 
 
 def test_logit_bias_table_grows_without_losing_rows() -> None:
-    sampler = Sampler(3, V, torch.device("cpu"))
-    sampler.add_request(0, SamplingParams(logit_bias={5: 1.0}), [0], [])
-    sampler.add_request(2, SamplingParams(logit_bias={t: float(t) for t in range(6)}), [0], [])
+    sampler = make_sampler(3, V, torch.device("cpu"))
+    add_request(sampler, 0, SamplingParams(logit_bias={5: 1.0}), [0], [])
+    add_request(sampler, 2, SamplingParams(logit_bias={t: float(t) for t in range(6)}), [0], [])
     got = processed(sampler, torch.zeros(2, V), [0, 2])
     assert got[0].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
     assert got[1].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]

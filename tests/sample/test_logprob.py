@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.sample import Sampler, compute_prompt_logprobs
+from pagedserve.sample import compute_prompt_logprobs
 from pagedserve.sampling_params import SamplingParams
-from tests.sample.sampling_helpers import batch_of
+from tests.sample.sampling_helpers import add_request, batch_of, make_sampler
 
 V = 32
 
@@ -43,7 +43,7 @@ def check_logprobs(
 def test_sampled_logprobs_are_raw_and_ranked(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(5, V, generator=gen)).to(device)
-    sampler = Sampler(8, V, device)
+    sampler = make_sampler(8, V, device)
     params = [
         SamplingParams(temperature=0.0, logprobs=2),
         SamplingParams(temperature=0.6, top_k=4, logprobs=5),  # k = 5 for the whole batch
@@ -53,7 +53,7 @@ def test_sampled_logprobs_are_raw_and_ranked(device: torch.device) -> None:
     ]
     slots = [6, 0, 3, 7, 1]
     for slot, p in zip(slots, params, strict=True):
-        sampler.add_request(slot, p, [0, 1, 2], [4])
+        add_request(sampler, slot, p, [0, 1, 2], [4])
     idx_mapping, idx_np = batch_of(slots, device)
     out = sampler(logits, idx_mapping, idx_np)
     assert out.logprobs is not None
@@ -69,9 +69,9 @@ def test_sampled_logprobs_are_raw_and_ranked(device: torch.device) -> None:
 def test_bf16_logits_are_upcast_before_log_softmax() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = (4 * torch.randn(3, V, generator=gen)).to(torch.bfloat16)
-    sampler = Sampler(3, V, torch.device("cpu"))
+    sampler = make_sampler(3, V, torch.device("cpu"))
     for slot in range(3):
-        sampler.add_request(slot, SamplingParams(logprobs=3, seed=slot), [1], [])
+        add_request(sampler, slot, SamplingParams(logprobs=3, seed=slot), [1], [])
     idx_mapping, idx_np = batch_of([0, 1, 2], torch.device("cpu"))
     out = sampler(logits, idx_mapping, idx_np)
     assert out.logprobs is not None
@@ -82,10 +82,10 @@ def test_bf16_logits_are_upcast_before_log_softmax() -> None:
 
 
 def test_no_logprobs_when_no_row_asks() -> None:
-    sampler = Sampler(2, V, torch.device("cpu"))
-    sampler.add_request(0, SamplingParams(), [1], [])
-    sampler.add_request(1, SamplingParams(logprobs=2), [1], [])
-    sampler.remove_request(1)
+    sampler = make_sampler(2, V, torch.device("cpu"))
+    add_request(sampler, 0, SamplingParams(), [1], [])
+    add_request(sampler, 1, SamplingParams(logprobs=2), [1], [])
+    sampler.states.remove_request(1)  # what RequestStates.remove_request does
     idx_mapping, idx_np = batch_of([0], torch.device("cpu"))
     assert sampler(torch.zeros(1, V), idx_mapping, idx_np).logprobs is None
 

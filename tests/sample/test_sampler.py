@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.sample import Sampler
 from pagedserve.sampling_params import SamplingParams
-from tests.sample.sampling_helpers import batch_of
+from tests.sample.sampling_helpers import add_request, batch_of, make_sampler
 
 V = 64
 
@@ -31,10 +31,10 @@ def test_greedy_is_argmax(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(16, V, generator=gen).to(device=device, dtype=torch.bfloat16)
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first index wins
-    sampler = Sampler(32, V, device)
+    sampler = make_sampler(32, V, device)
     slots = list(range(31, 15, -1))
     for slot in slots:
-        sampler.add_request(slot, SamplingParams(temperature=0.0), [1], [])
+        add_request(sampler, slot, SamplingParams(temperature=0.0), [1], [])
     idx_mapping, idx_np = batch_of(slots, device)
     sampled = sampler(logits, idx_mapping, idx_np).sampled_token_ids
     assert sampled.dtype == torch.int64
@@ -45,12 +45,11 @@ def test_greedy_is_argmax(device: torch.device) -> None:
 def test_greedy_rows_of_a_mixed_batch_are_argmax(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, V, generator=gen).to(device)
-    sampler = Sampler(6, V, device)
+    sampler = make_sampler(6, V, device)
     for slot in range(6):
         temperature = 0.0 if slot % 2 == 0 else 1.5
-        sampler.add_request(
-            slot, SamplingParams(temperature=temperature, top_k=3, top_p=0.5), [1], []
-        )
+        params = SamplingParams(temperature=temperature, top_k=3, top_p=0.5)
+        add_request(sampler, slot, params, [1], [])
     idx_mapping, idx_np = batch_of(list(range(6)), device)
     sampled = sampler(logits, idx_mapping, idx_np).sampled_token_ids.cpu()
     argmax = logits.argmax(dim=-1).cpu()
@@ -76,18 +75,18 @@ def test_seeded_request_samples_the_same_alone_and_in_a_batch(device: torch.devi
     gen = torch.Generator().manual_seed(7)
     target_logits = [torch.randn(V, generator=gen) for _ in range(num_steps)]
 
-    alone = Sampler(4, V, device, seed=0)
-    alone.add_request(2, SEEDED, [5, 6, 7], [])
+    alone = make_sampler(4, V, device, seed=0)
+    add_request(alone, 2, SEEDED, [5, 6, 7], [])
     alone_tokens = run_steps(alone, [2], [x.view(1, V).to(device) for x in target_logits])
 
     # The same request in slot 9, at row 6 of 16, among 15 others with other params; another
     # engine seed, so the unseeded neighbours draw differently too.
-    batch = Sampler(24, V, device, seed=5)
+    batch = make_sampler(24, V, device, seed=5)
     slots = [0, 1, 3, 4, 5, 8, 9, 10, 11, 13, 14, 17, 18, 20, 22, 23]
     row = slots.index(9)
     for slot in slots:
         params = SEEDED if slot == 9 else OTHERS[slot % len(OTHERS)]
-        batch.add_request(slot, params, [5, 6, 7], [], eos_token_id=2)
+        add_request(batch, slot, params, [5, 6, 7], [], eos_token_id=2)
     steps = []
     for x in target_logits:
         logits = torch.randn(len(slots), V, generator=gen)
@@ -103,8 +102,8 @@ def test_different_seeds_give_different_tokens() -> None:
     logits = [torch.zeros(1, V)] * 8
     draws = []
     for seed in (1, 2):
-        sampler = Sampler(1, V, torch.device("cpu"))
-        sampler.add_request(0, SamplingParams(seed=seed), [1], [])
+        sampler = make_sampler(1, V, torch.device("cpu"))
+        add_request(sampler, 0, SamplingParams(seed=seed), [1], [])
         draws.append(run_steps(sampler, [0], logits))
     assert draws[0] != draws[1]
 
@@ -112,12 +111,12 @@ def test_different_seeds_give_different_tokens() -> None:
 def test_resumed_request_continues_its_stream(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
     logits = [torch.randn(1, V, generator=gen).to(device) for _ in range(10)]
-    full = Sampler(2, V, device)
-    full.add_request(0, SEEDED, [5, 6], [])
+    full = make_sampler(2, V, device)
+    add_request(full, 0, SEEDED, [5, 6], [])
     tokens = [step[0] for step in run_steps(full, [0], logits)]
 
-    resumed = Sampler(2, V, device)
-    resumed.add_request(1, SEEDED, [5, 6], tokens[:6])
+    resumed = make_sampler(2, V, device)
+    add_request(resumed, 1, SEEDED, [5, 6], tokens[:6])
     assert [step[0] for step in run_steps(resumed, [1], logits[6:])] == tokens[6:]
 
 
@@ -125,9 +124,9 @@ def test_engine_seed_makes_unseeded_requests_reproducible() -> None:
     logits = [torch.zeros(3, V)] * 6
 
     def run(engine_seed: int) -> list[list[int]]:
-        sampler = Sampler(3, V, torch.device("cpu"), seed=engine_seed)
+        sampler = make_sampler(3, V, torch.device("cpu"), seed=engine_seed)
         for slot in range(3):
-            sampler.add_request(slot, SamplingParams(), [1], [])
+            add_request(sampler, slot, SamplingParams(), [1], [])
         return run_steps(sampler, [0, 1, 2], logits)
 
     assert run(11) == run(11)
@@ -146,17 +145,17 @@ def test_engine_seed_makes_unseeded_requests_reproducible() -> None:
 def test_bad_token_ids_name_their_field(
     params: SamplingParams, eos: int | None, field: str
 ) -> None:
-    sampler = Sampler(2, V, torch.device("cpu"))
+    sampler = make_sampler(2, V, torch.device("cpu"))
     prompt = [1, V] if field == "prompt_token_ids" else [1]
     with pytest.raises(ValueError, match=field):
-        sampler.add_request(0, params, prompt, [], eos_token_id=eos)
+        add_request(sampler, 0, params, prompt, [], eos_token_id=eos)
 
 
 def test_bad_slot_and_shapes_are_rejected() -> None:
-    sampler = Sampler(2, V, torch.device("cpu"))
+    sampler = make_sampler(2, V, torch.device("cpu"))
     with pytest.raises(ValueError, match="slot"):
         sampler.add_request(2, SamplingParams(), [1], [])
-    sampler.add_request(0, SamplingParams(), [1], [])
+    add_request(sampler, 0, SamplingParams(), [1], [])
     idx_mapping, idx_np = batch_of([0], torch.device("cpu"))
     with pytest.raises(ValueError, match="logits"):
         sampler(torch.zeros(1, V + 1), idx_mapping, idx_np)
@@ -170,9 +169,9 @@ def _forbid(*_args: object, **_kwargs: object) -> None:
 
 def test_sampling_path_never_reads_device_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """No .item()/.tolist()/bool()/int()/float() of a tensor, no multinomial, in a full step."""
-    sampler = Sampler(len(OTHERS) + 1, V, torch.device("cpu"))
+    sampler = make_sampler(len(OTHERS) + 1, V, torch.device("cpu"))
     for slot, params in enumerate([SEEDED, *OTHERS]):
-        sampler.add_request(slot, params, [1, 2, 3], [4], eos_token_id=2)
+        add_request(sampler, slot, params, [1, 2, 3], [4], eos_token_id=2)
     idx_mapping, idx_np = batch_of(list(range(len(OTHERS) + 1)), torch.device("cpu"))
     logits = torch.randn(len(idx_np), V)
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
@@ -188,9 +187,9 @@ def test_sampling_path_never_reads_device_values(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_step_does_not_synchronize() -> None:
     device = torch.device("cuda")
-    sampler = Sampler(len(OTHERS) + 1, V, device)
+    sampler = make_sampler(len(OTHERS) + 1, V, device)
     for slot, params in enumerate([SEEDED, *OTHERS]):
-        sampler.add_request(slot, params, [1, 2, 3], [4], eos_token_id=2)
+        add_request(sampler, slot, params, [1, 2, 3], [4], eos_token_id=2)
     idx_mapping, idx_np = batch_of(list(range(len(OTHERS) + 1)), device)
     logits = torch.randn(len(idx_np), V, device=device, dtype=torch.bfloat16)
     torch.cuda.synchronize()
@@ -199,7 +198,7 @@ def test_cuda_step_does_not_synchronize() -> None:
         for _ in range(2):
             out = sampler(logits, idx_mapping, idx_np)
             sampler.update_after_sampling(idx_mapping, out.sampled_token_ids)
-        sampler.add_request(0, SEEDED, [1, 2, 3], [4, 5])
+        add_request(sampler, 0, SEEDED, [1, 2, 3], [4, 5])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.shape == (len(idx_np),)

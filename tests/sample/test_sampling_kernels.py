@@ -17,18 +17,14 @@ from pagedserve.kernels.sampling_common import kept_mask  # noqa: E402
 from pagedserve.kernels.sampling_gumbel import gumbel_sample  # noqa: E402
 from pagedserve.kernels.sampling_truncation import truncation_cuts  # noqa: E402
 from pagedserve.sample import Sampler  # noqa: E402
-from pagedserve.sample.token_sampler import (  # noqa: E402
-    TorchTokenSampler,
-    make_token_sampler,
-    truncate,
-)
+from pagedserve.sample.token_sampler import TorchTokenSampler, truncate  # noqa: E402
 from pagedserve.sample.triton_token_sampler import (  # noqa: E402
     NOISE_HASH,
     TritonTokenSampler,
     slot_params,
 )
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
-from tests.sample.sampling_helpers import batch_of  # noqa: E402
+from tests.sample.sampling_helpers import add_request, batch_of, make_sampler  # noqa: E402
 
 # Compiled kernels where there is a GPU; the interpreter on CPU tensors elsewhere.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,11 +47,10 @@ def sampler_for(
     params: list[SamplingParams], engine_seed: int = 0
 ) -> tuple[Sampler, torch.Tensor, np.ndarray]:
     """A Sampler holding params in reversed, offset slots (so idx_mapping matters)."""
-    sampler = Sampler(len(params) + 3, V, DEVICE, seed=engine_seed)
+    sampler = make_sampler(len(params) + 3, V, DEVICE, seed=engine_seed)
     slots = [len(params) + 2 - row for row in range(len(params))]
     for slot, p in zip(slots, params, strict=True):
-        sampler.add_request(slot, p, [1], [])
-    sampler.states.copy_to_device()
+        add_request(sampler, slot, p, [1], [])
     idx_mapping, idx_np = batch_of(slots, DEVICE)
     return sampler, idx_mapping.long(), idx_np
 
@@ -82,7 +77,7 @@ def triton_kept(
     sampler: Sampler, logits: torch.Tensor, idx: torch.Tensor, buffer_size: int
 ) -> torch.Tensor:
     cuts = truncation_cuts(logits, idx, slot_params(sampler.states), buffer_size)
-    scaled = logits.float() / sampler.states.temperature.dev[idx].unsqueeze(1)
+    scaled = logits.float() / sampler.states.temperature[idx].unsqueeze(1)
     return kept_mask(scaled, cuts)
 
 
@@ -175,10 +170,6 @@ def test_triton_sampler_matches_the_torch_sampler_step_by_step() -> None:
             tokens.append(sampled.tolist())
         runs.append(tokens)
     assert runs[0] == runs[1]
-
-
-def test_make_token_sampler_uses_torch_off_cuda() -> None:
-    assert isinstance(make_token_sampler(V, torch.device("cpu")), TorchTokenSampler)
 
 
 def test_kernel_wrappers_reject_bad_input() -> None:

@@ -13,8 +13,8 @@ import torch
 from transformers import PreTrainedModel
 
 from pagedserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.math_utils import cdiv
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.block_table import cdiv
 from pagedserve.worker.model_runner import ModelRunner
 
 

@@ -47,7 +47,7 @@ def test_prefix_views_are_made_once_per_length() -> None:
 
 def _states_with(requests: dict[str, tuple[int, int]]) -> RequestStates:
     """requests: req_id -> (prefill length, computed tokens)."""
-    states = RequestStates(8, max_model_len=64, device=CPU)
+    states = RequestStates(8, max_model_len=64, vocab_size=16, device=CPU)
     for req_id, (prefill_len, computed) in requests.items():
         states.add_request(req_id, list(range(prefill_len)), prefill_len, computed,
                            SamplingParams())

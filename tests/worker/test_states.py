@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.platform import torch_input_prep_ops
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.block_table import BlockTables
-from pagedserve.worker.ops import TORCH_OPS
 from pagedserve.worker.states import RequestStates
 
 CPU = torch.device("cpu")
 
 
 def _states(max_num_reqs: int = 1024) -> RequestStates:
-    return RequestStates(max_num_reqs, max_model_len=32, device=CPU)
+    return RequestStates(max_num_reqs, max_model_len=32, vocab_size=16, device=CPU)
 
 
 def test_slots_are_handed_out_from_the_top() -> None:
@@ -36,7 +36,8 @@ def test_add_request_stores_prefill_and_counts() -> None:
     assert states.all_token_ids[slot, :5].tolist() == [7, 8, 9, 10, 11]
     assert states.prefill_len[slot].item() == 5
     assert states.num_computed_tokens[slot].item() == 2
-    assert states.num_output_tokens_np[slot] == 2  # resumed after preemption: 2 outputs
+    assert states.num_resumed_output_tokens_np[slot] == 2  # resumed after preemption
+    assert states.sampling.num_output_tokens[slot].item() == 2  # the sampler's counter too
     states.set_num_computed_tokens("R", 5)
     assert states.num_computed_tokens[slot].item() == 2  # device twin waits for the copy
     states.apply_staged_writes()
@@ -67,14 +68,27 @@ def test_counts_of_many_requests_are_set_at_once() -> None:
     states.apply_staged_writes()
     assert states.num_computed_tokens[slots].tolist() == [3, 2]
     b = states.req_id_to_index["B"]
-    assert states.num_logprobs_np[b] == 2 and states.num_computed_tokens[b].item() == 0
+    assert states.sampling.num_logprobs_np[b] == 2 and states.num_computed_tokens[b].item() == 0
     states.remove_request("B")
-    assert states.num_logprobs_np[b] == -1  # a free slot asks for nothing
+    assert states.sampling.num_logprobs_np[b] == -1  # a free slot asks for nothing
+
+
+def test_sampling_columns_travel_with_the_counts_in_one_copy() -> None:
+    states = _states(4)
+    params = SamplingParams(temperature=0.5, top_k=3, seed=7, frequency_penalty=0.25)
+    slot = states.add_request("R", [1, 2], 2, 0, params)
+    sampling = states.sampling
+    assert sampling.temperature[slot].item() == 0.0  # on the host only, until the copy
+    states.staging.copy_to_device()
+    assert sampling.temperature[slot].item() == 0.5 and sampling.top_k[slot].item() == 3
+    assert sampling.seeds[slot].item() == 7 and sampling.frequency_penalty[slot].item() == 0.25
+    assert states.prefill_len[slot].item() == 2
+    assert sampling.staging is states.staging
 
 
 def _tables() -> BlockTables:
     return BlockTables(max_num_reqs=4, max_model_len=32, max_num_tokens=16, block_size=4,
-                       device=CPU, ops=TORCH_OPS)
+                       device=CPU, ops=torch_input_prep_ops())
 
 
 def _apply(tables: BlockTables) -> None:

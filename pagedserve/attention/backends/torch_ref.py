@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.layers.rotary import rotate_neox
+from pagedserve.math_utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _decode_plan(
 ) -> _DecodePlan:
     lens = torch.tensor(seq_lens, device=device)  # int64 [n]
     max_len = max(seq_lens)
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     # Entries past a request's last block may be stale or invalid: read block 0 (masked).
     col = torch.arange(num_blocks, device=device)
     in_use = col[None, :] < (lens[:, None] + block_size - 1) // block_size  # bool [n, nb]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.model.shape import ModelShape
+from pagedserve.platform import Platform, platform_for
 
 # Measured on this project's H200 (see BENCHMARKS.md): device copy (read + write) and an
 # 8192^3 bf16 matmul on random data.
@@ -40,36 +41,34 @@ class Ceilings:
 
 def device_ceilings(device: torch.device) -> Ceilings:
     """The card's measured ceilings: from the table for known cards, else measured now."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (bw, flops) in MEASURED_CEILINGS.items():
-            if key in name:
-                return Ceilings(bw, flops, f"measured {key} (BENCHMARKS.md)")
+    name = platform_for(device).card_name()
+    for key, (bw, flops) in MEASURED_CEILINGS.items():
+        if name is not None and key in name:
+            return Ceilings(bw, flops, f"measured {key} (BENCHMARKS.md)")
     return measure_ceilings(device)
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
     """A device copy (bytes read + written) and a bf16 matmul, best of a few runs."""
-    n_copy, n_mm = (1 << 28, 8192) if device.type == "cuda" else (1 << 24, 1024)
+    platform = platform_for(device)
+    n_copy, n_mm = (1 << 28, 8192) if platform.accelerator else (1 << 24, 1024)
     src = torch.randn(n_copy // 4, device=device)
     dst = torch.empty_like(src)
     a = torch.randn(n_mm, n_mm, device=device, dtype=torch.bfloat16)
     b = torch.randn(n_mm, n_mm, device=device, dtype=torch.bfloat16)
-    copy_s = _best_time(lambda: dst.copy_(src), device)
-    mm_s = _best_time(lambda: a @ b, device)
+    copy_s = _best_time(lambda: dst.copy_(src), platform)
+    mm_s = _best_time(lambda: a @ b, platform)
     return Ceilings(2 * n_copy / copy_s, 2 * n_mm**3 / mm_s, f"measured now on {device}")
 
 
-def _best_time(fn, device: torch.device, repeats: int = 5) -> float:  # noqa: ANN001
+def _best_time(fn, platform: Platform, repeats: int = 5) -> float:  # noqa: ANN001
     fn()
     best = math.inf
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        platform.synchronize()
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        platform.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 

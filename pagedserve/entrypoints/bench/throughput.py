@@ -18,6 +18,7 @@ from pagedserve.entrypoints.bench.common import (
 from pagedserve.entrypoints.bench.gpu_busy import GpuBusySampler
 from pagedserve.entrypoints.bench.roofline import device_ceilings, throughput_roofline
 from pagedserve.model.shape import ModelShape
+from pagedserve.platform import platform_for
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -50,7 +51,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         for n in out_lens
     ]
     runner = llm.engine_core.executor  # hf_config, dtype, device for every TP backend
-    busy = GpuBusySampler(runner.device) if runner.device.type == "cuda" else None
+    busy = GpuBusySampler(runner.device) if platform_for(runner.device).accelerator else None
     def generate() -> list:
         return llm.generate(prompts, params, use_tqdm=True)
 

@@ -45,7 +45,7 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-_ARGTYPES = [_ptr] * 7 + [_i64] * 9 + [ctypes.c_float, _i32, _i32]
+_ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 7 + [_i64] * 9 + [ctypes.c_float, _i32, _i32]
 
 
 def _cpu_flags() -> str:
