@@ -5,15 +5,20 @@ model runner applies to their logits rows before sampling
 The mask is packed: int32 words, bit ``i`` of word ``j`` allows token ``32 j + i``. A row
 whose bit is 0 gets ``-inf``; the other rows of the logits are not touched. On the CPU the
 mask is applied with torch ops; on CUDA with a Triton kernel of the same semantics
-(``kernels/token_bitmask.py``).
+(``kernels/token_bitmask.py``), as the platform says (``TokenBitmaskApplier``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from pagedserve.platform import Platform
 
 _BITS = 32
 
@@ -39,25 +44,34 @@ class GrammarBitmask:
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def apply_grammar_bitmask(
-    logits: torch.Tensor, grammar: GrammarBitmask, sampled_req_ids: list[str]
-) -> None:
-    """Mask ``logits`` [num_rows, V] in place for the constrained rows; the only host-to-device
-    traffic is the mask and its row indices (asynchronous, from pinned memory on CUDA)."""
-    rows, mask_rows = grammar.rows_for(sampled_req_ids)
-    if not rows:
-        return
-    bitmask = torch.from_numpy(grammar.bitmask[mask_rows])  # [len(rows), W]
-    rows_t = torch.tensor(rows, dtype=torch.int64)  # [len(rows)]
-    if logits.device.type == "cuda":
-        from pagedserve.kernels.token_bitmask import apply_token_bitmask_triton
+class TokenBitmaskApplier:
+    """Applies a step's ``GrammarBitmask`` to the logits with the platform's op: the Triton
+    kernel where the platform runs Triton kernels, else the torch op. The only host-to-device
+    traffic is the mask and its row indices (asynchronous, from pinned memory where the
+    platform pins)."""
 
+    def __init__(self, platform: Platform) -> None:
+        self.pin_memory = platform.pin_memory
+        self.op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] = apply_token_bitmask
+        if platform.has_triton_kernels():
+            from pagedserve.kernels.token_bitmask import apply_token_bitmask_triton
+
+            self.op = apply_token_bitmask_triton
+
+    def __call__(
+        self, logits: torch.Tensor, grammar: GrammarBitmask, sampled_req_ids: list[str]
+    ) -> None:
+        """Mask ``logits`` [num_rows, V] in place for the constrained rows among
+        ``sampled_req_ids`` (the requests of the logits rows, in order)."""
+        rows, mask_rows = grammar.rows_for(sampled_req_ids)
+        if not rows:
+            return
+        bitmask = torch.from_numpy(grammar.bitmask[mask_rows])  # [len(rows), W]
+        rows_t = torch.tensor(rows, dtype=torch.int64)  # [len(rows)]
+        if self.pin_memory:
+            bitmask, rows_t = bitmask.pin_memory(), rows_t.pin_memory()
         device = logits.device
-        bitmask = bitmask.pin_memory().to(device, non_blocking=True)
-        rows_t = rows_t.pin_memory().to(device, non_blocking=True)
-        apply_token_bitmask_triton(logits, bitmask, rows_t)
-        return
-    apply_token_bitmask(logits, bitmask, rows_t)
+        self.op(logits, bitmask.to(device, non_blocking=True), rows_t.to(device, non_blocking=True))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

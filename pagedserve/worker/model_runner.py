@@ -32,7 +32,7 @@ from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for, resolve_dtype
 from pagedserve.sample import Sampler, SamplerOutput
-from pagedserve.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
+from pagedserve.structured_output.bitmask import GrammarBitmask, TokenBitmaskApplier
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput
 from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
@@ -85,6 +85,7 @@ class ModelRunner:
         self.ops = self.platform.input_prep_ops()
         self.attn_backend = self.platform.attention_backend()
         self.copy_stream = self.platform.new_stream()
+        self.apply_grammar_bitmask = TokenBitmaskApplier(self.platform)
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
@@ -336,7 +337,7 @@ class ModelRunner:
         (docs/architecture.md#structured-outputs)."""
         logits = self._compute_logits(hidden_states, logits_indices)  # [num_rows, V]
         if grammar is not None and sampled_req_ids is not None:
-            apply_grammar_bitmask(logits, grammar, sampled_req_ids)
+            self.apply_grammar_bitmask(logits, grammar, sampled_req_ids)
         return self.sampler(logits, idx_mapping, idx_mapping_np)
 
     def _compute_logits(self, hidden_states: torch.Tensor,

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.platform import platform_for
 from pagedserve.structured_output.bitmask import (
     GrammarBitmask,
-    apply_grammar_bitmask,
+    TokenBitmaskApplier,
     apply_token_bitmask,
     bitmask_width,
     unpack_bitmask,
@@ -52,7 +53,7 @@ def test_grammar_bitmask_maps_request_ids_to_logits_rows():
     allow_7 = np.zeros((2, bitmask_width(VOCAB)), dtype=np.int32)
     allow_7[:, 0] = 1 << 7
     grammar = GrammarBitmask(["b", "gone"], allow_7)  # "gone" did not sample this step
-    apply_grammar_bitmask(logits, grammar, ["a", "b", "c"])
+    TokenBitmaskApplier(platform_for(torch.device("cpu")))(logits, grammar, ["a", "b", "c"])
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [7]
 
@@ -70,3 +71,27 @@ def test_triton_kernel_matches_the_torch_op():
     apply_token_bitmask(expected, bitmask, rows)
     apply_token_bitmask_triton(logits, bitmask, rows)
     assert torch.equal(logits, expected)
+
+
+class _TritonHost:
+    """A platform whose Triton kernels run on the host (the interpreter), without pinning."""
+
+    pin_memory = False
+
+    def has_triton_kernels(self) -> bool:
+        return True
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs TRITON_INTERPRET=1")
+def test_applier_takes_the_triton_kernel_where_the_platform_runs_triton():
+    from pagedserve.kernels.token_bitmask import apply_token_bitmask_triton
+
+    applier = TokenBitmaskApplier(_TritonHost())  # type: ignore[arg-type]
+    assert applier.op is apply_token_bitmask_triton
+    logits = torch.randn(3, VOCAB)
+    expected = logits.clone()
+    grammar = GrammarBitmask(["x", "y"], _random_bitmask(2, seed=4).numpy())
+    TokenBitmaskApplier(platform_for(torch.device("cpu")))(expected, grammar, ["y", "z", "x"])
+    applier(logits, grammar, ["y", "z", "x"])
+    assert torch.equal(logits, expected) and torch.isfinite(logits[1]).all()
