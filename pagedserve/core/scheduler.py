@@ -91,6 +91,8 @@ class Scheduler:
         it is ready, so they hold up no one."""
         self._grammar_failures: list[EngineCoreOutput] = []
         """Outputs of requests aborted because their grammar failed to compile."""
+        self.num_constrained_requests = 0
+        """Unfinished requests with a grammar: 0 lets the core skip every grammar check."""
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         """Finished since the last ``schedule()``; handed to the runner in the next plan."""
@@ -117,6 +119,7 @@ class Scheduler:
             )
         self.requests[rid] = request
         if request.structured_output is not None:
+            self.num_constrained_requests += 1
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append(request)
         else:
@@ -154,6 +157,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.structured_output is not None:
+            self.num_constrained_requests -= 1
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -176,6 +181,7 @@ class Scheduler:
                          request.request_id, error)
             request.status = RequestStatus.FINISHED_ABORTED
             del self.requests[request.request_id]
+            self.num_constrained_requests -= 1
             self._grammar_failures.append(self._make_engine_output(request, []))
         self.waiting_for_grammar = still_compiling
 

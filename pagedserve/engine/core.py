@@ -257,7 +257,7 @@ class EngineCore:
         (with the forward, where the executor runs both in one call: the mask then travels
         with the plan to every rank)."""
         grammar = None
-        if self._structured_output is not None:
+        if self._structured_output is not None and self.scheduler.num_constrained_requests:
             grammar = self._structured_output.grammar_bitmask(step.plan,
                                                               self.scheduler.requests)
         step.deferred = False
@@ -267,7 +267,7 @@ class EngineCore:
         step.pending = self.executor.sample_tokens_async(grammar)
 
     def _constrained(self, plan: SchedulerOutput) -> bool:
-        if self._structured_output is None:
+        if not self.scheduler.num_constrained_requests:
             return False
         requests = self.scheduler.requests
         return any(

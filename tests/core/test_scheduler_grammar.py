@@ -60,6 +60,9 @@ def test_a_compiling_grammar_holds_up_no_one():
     plan, _ = _step(scheduler)
     assert set(plan.num_scheduled_tokens) == {"0", "1"}
     assert grammar.accepted == [5]
+    assert scheduler.num_constrained_requests == 1
+    scheduler.abort_requests(["0"])
+    assert scheduler.num_constrained_requests == 0
 
 
 def test_a_failed_grammar_aborts_the_request():
@@ -71,6 +74,7 @@ def test_a_failed_grammar_aborts_the_request():
     assert plan.total_num_scheduled_tokens == 0 and scheduler.has_unfinished_requests()
     (failure,) = scheduler.take_grammar_failures()
     assert failure.req_id == "0" and failure.finish_reason == "abort"
+    assert scheduler.num_constrained_requests == 0
     assert not scheduler.has_unfinished_requests()
 
 

@@ -166,6 +166,7 @@ def test_grammars_are_cached_by_key(llm):
     assert after.grammar_cache_queries - before.grammar_cache_queries == 6
     assert after.grammar_cache_hits - before.grammar_cache_hits == 5
     assert after.grammar_compile_seconds > before.grammar_compile_seconds
+    assert core.scheduler.num_constrained_requests == 0  # every constrained request finished
 
 
 def _run_stressed(llm: LLM) -> list[str]:
