@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -50,8 +50,6 @@ class GrammarState(Protocol):
     def accept_token(self, token_id: int) -> bool: ...
 
     def is_terminated(self) -> bool: ...
-
-    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
 
 
 class Request:

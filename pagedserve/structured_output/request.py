@@ -40,8 +40,3 @@ class StructuredOutputRequest:
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
         return bool(self.matcher.is_terminated())
-
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit i of word j
-        is token 32 j + i)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)

@@ -30,9 +30,6 @@ class FakeGrammar:
     def is_terminated(self) -> bool:
         return len(self.accepted) >= self.length
 
-    def fill_bitmask(self, bitmask: object, row: int) -> None:
-        raise AssertionError("the scheduler never fills masks")
-
 
 def _constrained(rid: str, grammar: FakeGrammar, **kwargs):
     request = make_request(rid, [1, 2, 3], **kwargs)
