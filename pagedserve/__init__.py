@@ -14,15 +14,19 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
 }
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
-    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

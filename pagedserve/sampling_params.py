@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.field_types import check_field_types, holds, require, token_id_list
+from pagedserve.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20
@@ -53,9 +56,18 @@ class SamplingParams:
     """Number of top logprobs to return per sampled token (the sampled one is always added)."""
     prompt_logprobs: int | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields
+    is accepted too)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        require(self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs: expected StructuredOutputsParams or None, got "
+                f"{type(self.structured_outputs).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         require(self.stop is None or isinstance(self.stop, list | tuple),
@@ -97,6 +109,11 @@ class SamplingParams:
             (len(self.stop) <= _MAX_STOP_STRINGS, f"stop: at most {_MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop: every stop string must be a non-empty string"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
+            (
+                self.structured_outputs is None or self.min_tokens == 0,
+                "min_tokens: not supported with structured_outputs (the grammar decides where "
+                "the answer ends)",
+            ),
         ]
         for ok, msg in checks:
             require(ok, msg)

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 1
+    """Structured output: held out of the waiting queue until its grammar is compiled."""
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +37,19 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+class GrammarState(Protocol):
+    """A constrained request's grammar as the scheduler sees it
+    (``structured_output.request.StructuredOutputRequest``)."""
+
+    def is_ready(self) -> bool: ...
+
+    def error(self) -> str | None: ...
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 class Request:
@@ -79,6 +95,8 @@ class Request:
         self.block_hashes: list[int] = []
         """Hash of every full block of ``all_token_ids`` (filled by the KV-cache manager)."""
         self.first_scheduled_time: float | None = None
+        self.structured_output: GrammarState | None = None
+        """Set by the engine core for a request with ``structured_outputs``."""
 
     @property
     def num_tokens(self) -> int:

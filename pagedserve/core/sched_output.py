@@ -8,8 +8,12 @@ only what changed: new requests in full, running requests as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output.bitmask import GrammarBitmask
 
 BlockIds = tuple[list[int], ...]
 """Block ids per KV-cache group (one group for the Llama family)."""
@@ -59,6 +63,9 @@ class SchedulerOutput:
     """Requests that finished or were aborted since the last step: the runner frees their slots."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the runner frees their slots; they return as new requests."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Structured outputs, where the executor runs a step as one call (tensor parallelism):
+    the constrained requests' masks, filled by the engine core before it sends the plan."""
 
     @staticmethod
     def empty() -> SchedulerOutput:

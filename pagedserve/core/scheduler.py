@@ -10,6 +10,10 @@ catches up with its token count; a step gives each request some tokens out of on
 2. then waiting requests (new or preempted), after a prefix-cache lookup, unless a preemption
    happened this step (blocks are short) or ``max_num_seqs`` requests are running.
 
+A constrained request (structured outputs) waits in ``waiting_for_grammar`` until its grammar
+is compiled, then joins the waiting queue; its matcher advances with every token appended
+(docs/architecture.md#structured-outputs).
+
 ``schedule()`` advances ``num_computed_tokens`` as soon as it plans a step, so the next step can
 be planned before this one's sampled tokens arrive (async scheduling: the unknown tokens are
 counted in ``Request.num_output_placeholders``).
@@ -17,6 +21,7 @@ counted in ``Request.num_output_placeholders``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -34,6 +39,8 @@ from pagedserve.core.sched_output import (
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.core.step_plan import StepPlan
 
+logger = logging.getLogger(__name__)
+
 
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Whether ``request`` is done after its last appended token; if so, set its finished
@@ -43,6 +50,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     ``Scheduler.finish_requests``."""
     if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    grammar = request.structured_output
+    if grammar is not None and grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         return True
     params = request.sampling_params
     if request.num_output_tokens < params.min_tokens:
@@ -75,6 +86,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Every unfinished request, waiting or running."""
         self.waiting = make_request_queue(scheduler_config.policy)
+        self.waiting_for_grammar: list[Request] = []
+        """Constrained requests whose grammar is still compiling; they join ``waiting`` when
+        it is ready, so they hold up no one."""
+        self._grammar_failures: list[EngineCoreOutput] = []
+        """Outputs of requests aborted because their grammar failed to compile."""
+        self.num_constrained_requests = 0
+        """Unfinished requests with a grammar: 0 lets the core skip every grammar check."""
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         """Finished since the last ``schedule()``; handed to the runner in the next plan."""
@@ -100,7 +118,12 @@ class Scheduler:
                 f"max_tokens: request {rid!r} must allow >= 1, got {request.max_tokens}"
             )
         self.requests[rid] = request
-        self.waiting.add(request)
+        if request.structured_output is not None:
+            self.num_constrained_requests += 1
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+        else:
+            self.waiting.add(request)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus
@@ -127,15 +150,48 @@ class Scheduler:
         """Remove a request whose status is already a finished one; free its blocks now."""
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting_for_grammar:
+            self.waiting_for_grammar.remove(request)
         else:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.structured_output is not None:
+            self.num_constrained_requests -= 1
 
     # ---- one step ------------------------------------------------------------------------
 
+    def _admit_ready_grammars(self) -> None:
+        """Move the requests whose grammar compiled into the waiting queue; abort those whose
+        grammar failed (their outputs come with the next ``take_grammar_failures``)."""
+        still_compiling = []
+        for request in self.waiting_for_grammar:
+            grammar = request.structured_output
+            assert grammar is not None
+            if not grammar.is_ready():
+                still_compiling.append(request)
+                continue
+            error = grammar.error()
+            if error is None:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+                continue
+            logger.error("request %s: its grammar failed to compile: %s",
+                         request.request_id, error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            del self.requests[request.request_id]
+            self.num_constrained_requests -= 1
+            self._grammar_failures.append(self._make_engine_output(request, []))
+        self.waiting_for_grammar = still_compiling
+
+    def take_grammar_failures(self) -> list[EngineCoreOutput]:
+        failures, self._grammar_failures = self._grammar_failures, []
+        return failures
+
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_ready_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
@@ -296,11 +352,18 @@ class Scheduler:
         if request.num_output_placeholders > 0:
             request.num_output_placeholders -= 1
         appended, stopped = token_ids, False
+        grammar = request.structured_output
         for i, token_id in enumerate(token_ids):
             # One token per step is the common case: append the runner's list as it is.
             request.append_output_token_ids(token_ids if len(token_ids) == 1 else [token_id])
             if len(request.output_token_ids) == 1:
                 self.prompt_tokens += len(request.prompt_token_ids)
+            if grammar is not None and not grammar.accept_token(token_id):
+                logger.error("request %s: token %d is not allowed by its grammar; aborted",
+                             request.request_id, token_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                appended, stopped = token_ids[: i + 1], True
+                break
             if check_stop(request, self.max_model_len):
                 appended, stopped = token_ids[: i + 1], True
                 break
@@ -334,7 +397,7 @@ class Scheduler:
     # ---- queries -------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._grammar_failures)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -346,7 +409,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,

@@ -21,6 +21,14 @@ class SchedulerStats:
     """Prompt tokens of requests that produced their first token (cumulative)."""
     generation_tokens: int
     """Generated tokens appended (cumulative)."""
+    grammar_compiles: int = 0
+    """Structured outputs: grammars compiled (cumulative; the engine core fills these four)."""
+    grammar_compile_seconds: float = 0.0
+    """Time spent compiling them, on the compile threads (cumulative)."""
+    grammar_cache_queries: int = 0
+    """Constrained requests whose compiled grammar was looked up (cumulative)."""
+    grammar_cache_hits: int = 0
+    """Lookups that found the grammar compiled or compiling (cumulative)."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from pagedserve.distributed.worker_proc import ModelInfo
+    from pagedserve.structured_output.bitmask import GrammarBitmask
 
 
 class PendingOutput(Protocol):
@@ -79,9 +80,16 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run one step on every rank (always called, even with no tokens: it frees slots)."""
 
+    samples_separately = False
+    """Whether ``sample_tokens_async`` is a call of its own after ``execute_model`` (the
+    runner in this process), so a grammar bitmask can be handed to it; otherwise each rank
+    runs a step as one call and the mask travels in the plan (``grammar_bitmask``)."""
+
     @abstractmethod
-    def sample_tokens_async(self) -> PendingOutput:
-        """The tokens of the last ``execute_model``; ``get_output()`` waits for them."""
+    def sample_tokens_async(self, grammar_bitmask: GrammarBitmask | None = None) -> PendingOutput:
+        """The tokens of the last ``execute_model``; ``get_output()`` waits for them. A
+        ``grammar_bitmask`` is applied to the constrained rows' logits (``samples_separately``
+        executors only)."""
 
     def sample_tokens(self) -> ModelRunnerOutput:
         return self.sample_tokens_async().get_output()
@@ -90,6 +98,12 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop the workers and free their devices; the executor is unusable afterwards."""
 
+
+
+def require_mask_in_plan(grammar_bitmask: GrammarBitmask | None) -> None:
+    """Executors that run a step as one call on every rank take the mask in the plan."""
+    if grammar_bitmask is not None:
+        raise ValueError("grammar_bitmask: this executor takes the mask in the plan")
 
 
 class WorkerGroupExecutor(Executor):

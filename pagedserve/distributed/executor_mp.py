@@ -18,15 +18,22 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed.executor import PendingOutput, WorkerGroupExecutor
+from pagedserve.distributed.executor import (
+    PendingOutput,
+    WorkerGroupExecutor,
+    require_mask_in_plan,
+)
 from pagedserve.distributed.parallel_state import free_port
 from pagedserve.distributed.worker_proc import SHUTDOWN, STEP, WorkerSpec, worker_main
 from pagedserve.distributed.worker_watch import kill_all, raise_worker_error
 from pagedserve.platform import platform_for
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output.bitmask import GrammarBitmask
 
 SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -112,7 +119,8 @@ class MultiprocExecutor(WorkerGroupExecutor):
         self._broadcast(STEP, scheduler_output)
         self._steps_sent += 1
 
-    def sample_tokens_async(self) -> PendingOutput:
+    def sample_tokens_async(self, grammar_bitmask: GrammarBitmask | None = None) -> PendingOutput:
+        require_mask_in_plan(grammar_bitmask)  # a mask went with the plan
         return _StepReply(self, self._steps_sent - 1)
 
     def step_output(self, index: int) -> ModelRunnerOutput | None:

@@ -13,15 +13,22 @@ the process exit); every wait watches all ranks' calls, so the engine raises a
 from __future__ import annotations
 
 import weakref
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed.executor import PendingOutput, WorkerGroupExecutor
+from pagedserve.distributed.executor import (
+    PendingOutput,
+    WorkerGroupExecutor,
+    require_mask_in_plan,
+)
 from pagedserve.distributed.ray_worker import NodeInfo, RayWorker, visible_devices_per_rank
 from pagedserve.distributed.worker_proc import STEP, WorkerSpec
 from pagedserve.distributed.worker_watch import GRACE_S, worker_failure
 from pagedserve.platform import platform_for
+
+if TYPE_CHECKING:
+    from pagedserve.structured_output.bitmask import GrammarBitmask
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -123,7 +130,8 @@ class RayExecutor(WorkerGroupExecutor):
         plan = self.ray.put(scheduler_output)  # one copy in the object store for every rank
         self._last_step = [actor.call.remote(STEP, plan) for actor in self.actors]
 
-    def sample_tokens_async(self) -> PendingOutput:
+    def sample_tokens_async(self, grammar_bitmask: GrammarBitmask | None = None) -> PendingOutput:
+        require_mask_in_plan(grammar_bitmask)  # a mask went with the plan
         return _StepReply(self, self._last_step)
 
     def wait(self, refs: list[Any], what: str, num_needed: int) -> list[Any]:

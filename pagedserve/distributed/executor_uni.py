@@ -6,6 +6,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.executor import Executor, PendingOutput
 from pagedserve.platform import resolve_device
+from pagedserve.structured_output.bitmask import GrammarBitmask
 from pagedserve.worker.model_runner import ModelRunner
 
 
@@ -42,8 +43,10 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._runner.execute_model(scheduler_output)
 
-    def sample_tokens_async(self) -> PendingOutput:
-        return self._runner.sample_tokens_async()
+    samples_separately = True
+
+    def sample_tokens_async(self, grammar_bitmask: GrammarBitmask | None = None) -> PendingOutput:
+        return self._runner.sample_tokens_async(grammar_bitmask)
 
     def sample_tokens(self) -> ModelRunnerOutput:
         return self._runner.sample_tokens()

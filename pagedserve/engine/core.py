@@ -34,10 +34,24 @@ from pagedserve.platform import platform_for, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from pagedserve.distributed.executor import PendingOutput
+    from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 _MAX_STEPS_IN_FLIGHT = 2
 """Async scheduling: the step the device runs plus the one being planned and queued."""
+_GRAMMAR_WAIT_S = 0.005
+"""How long an idle core blocks on a compiling grammar before it looks at its input again."""
+
+
+@dataclasses.dataclass
+class _Step:
+    """A launched step. ``deferred``: its sampling (and, where the executor runs a step as one
+    call, the whole step) waits until the step before it is appended, because a constrained
+    request's mask needs that step's token (docs/architecture.md#structured-outputs)."""
+
+    plan: SchedulerOutput
+    pending: PendingOutput | None
+    deferred: bool = False
 
 
 @contextmanager
@@ -103,12 +117,14 @@ class EngineCore:
         self.num_blocks = num_blocks
         model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
         self.config = dataclasses.replace(self.config, model=model)
-        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput | None]] = deque()
+        self._in_flight: deque[_Step] = deque()
         """Steps launched and not yet completed, oldest first (at most one without async
         scheduling)."""
         self.scheduler = Scheduler(
             self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
         )
+        self._structured_output: StructuredOutputManager | None = None
+        """Built by the first constrained request (it loads the tokenizer on a thread)."""
         # What start-up built lives as long as the engine: out of the collector's walks, so that
         # no full collection stalls a step later (``gc_heap``).
         freeze_startup_heap(self)
@@ -139,10 +155,26 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for TP=1 in process)."""
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
         self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self._structured_output_manager().register(request)
         self.scheduler.add_request(request)
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        if self._structured_output is None:
+            from pagedserve.model.tokenizer import get_tokenizer
+            from pagedserve.structured_output.manager import StructuredOutputManager
+
+            eos = getattr(self.executor.hf_config, "eos_token_id", None)
+            eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            model_config = self.config.model
+            self._structured_output = StructuredOutputManager(
+                lambda: get_tokenizer(model_config), self.vocab_size, eos_ids)
+        return self._structured_output
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Abort requests by id (unknown ids are ignored); their blocks return to the pool.
@@ -162,7 +194,15 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self._structured_output is None:
+            return stats
+        grammar = self._structured_output.stats
+        return dataclasses.replace(
+            stats, grammar_compiles=grammar.num_compiled,
+            grammar_compile_seconds=grammar.compile_seconds,
+            grammar_cache_queries=grammar.cache_hits + grammar.cache_misses,
+            grammar_cache_hits=grammar.cache_hits)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the outputs of the requests that advanced or finished.
@@ -176,24 +216,67 @@ class EngineCore:
                 and self.scheduler.has_unfinished_requests()
             ):
                 self._in_flight.append(self._launch())
+                if self._in_flight[-1].deferred:
+                    break  # nothing is planned past a step that waits for its predecessor
         elif self.scheduler.has_unfinished_requests():
             self._in_flight.append(self._launch())
+        outputs = self.scheduler.take_grammar_failures()
         if not self._in_flight:
-            return []
-        scheduler_output, pending = self._in_flight.popleft()
-        with self._plan_lost_on_error(scheduler_output):
-            runner_output = ModelRunnerOutput.empty() if pending is None else pending.get_output()
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return outputs
+        step = self._in_flight.popleft()
+        with self._plan_lost_on_error(step.plan):
+            runner_output = (ModelRunnerOutput.empty() if step.pending is None
+                             else step.pending.get_output())
+        outputs += self.scheduler.update_from_output(step.plan, runner_output)
+        if self._in_flight and self._in_flight[0].deferred:
+            with self._plan_lost_on_error(self._in_flight[0].plan):
+                self._finish_launch(self._in_flight[0])
+        return outputs
 
-    def _launch(self) -> tuple[SchedulerOutput, PendingOutput | None]:
-        """Schedule a step and queue its work on the device; nothing here waits for it."""
-        scheduler_output = self.scheduler.schedule()
-        with self._plan_lost_on_error(scheduler_output):
-            # Always applied, even with no tokens to run: it frees finished requests' slots.
-            self.executor.execute_model(scheduler_output)
-            if scheduler_output.total_num_scheduled_tokens == 0:
-                return scheduler_output, None
-            return scheduler_output, self.executor.sample_tokens_async()
+    def _launch(self) -> _Step:
+        """Schedule a step and queue its work on the device; nothing here waits for it.
+
+        A step that runs a constrained request while another step is in flight is deferred:
+        its mask needs the token that step samples. Where sampling is its own call (one
+        process) the forward is queued now and only the sampling waits; otherwise the whole
+        step waits."""
+        plan = self.scheduler.schedule()
+        with self._plan_lost_on_error(plan):
+            if plan.total_num_scheduled_tokens == 0:
+                self.executor.execute_model(plan)  # it frees the slots of finished requests
+                if self.scheduler.waiting_for_grammar and self._structured_output is not None:
+                    self._structured_output.wait_for_any(self.scheduler.waiting_for_grammar,
+                                                         _GRAMMAR_WAIT_S)
+                return _Step(plan, None)
+            step = _Step(plan, None, deferred=bool(self._in_flight) and self._constrained(plan))
+            if self.executor.samples_separately:
+                self.executor.execute_model(plan)  # the host fills the mask while this runs
+            if not step.deferred:
+                self._finish_launch(step)
+            return step
+
+    def _finish_launch(self, step: _Step) -> None:
+        """Fill the step's bitmask from the matchers as they are now and queue the sampling
+        (with the forward, where the executor runs both in one call: the mask then travels
+        with the plan to every rank)."""
+        grammar = None
+        if self._structured_output is not None and self.scheduler.num_constrained_requests:
+            grammar = self._structured_output.grammar_bitmask(step.plan,
+                                                              self.scheduler.requests)
+        step.deferred = False
+        if not self.executor.samples_separately:
+            step.plan.grammar_bitmask, grammar = grammar, None
+            self.executor.execute_model(step.plan)
+        step.pending = self.executor.sample_tokens_async(grammar)
+
+    def _constrained(self, plan: SchedulerOutput) -> bool:
+        if not self.scheduler.num_constrained_requests:
+            return False
+        requests = self.scheduler.requests
+        return any(
+            (r := requests.get(rid)) is not None and r.structured_output is not None
+            for rid in plan.num_scheduled_tokens
+        )
 
     @contextmanager
     def _plan_lost_on_error(self, scheduler_output: SchedulerOutput) -> Iterator[None]:
@@ -205,7 +288,8 @@ class EngineCore:
         try:
             yield
         except BaseException:
-            lost = [scheduler_output] + [plan for plan, _ in self._in_flight]
+            lost = [scheduler_output] + [step.plan for step in self._in_flight
+                                         if step.plan is not scheduler_output]
             self._in_flight.clear()
             for plan in lost:
                 self._rewind(plan)

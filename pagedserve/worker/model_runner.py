@@ -32,6 +32,7 @@ from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for, resolve_dtype
 from pagedserve.sample import Sampler, SamplerOutput
+from pagedserve.structured_output.bitmask import GrammarBitmask, TokenBitmaskApplier
 from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput
 from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
@@ -57,6 +58,8 @@ class ExecuteModelState:
     batch: InputBatch
     attn_metadata: AttentionMetadata
     hidden_states: torch.Tensor  # [num_tokens_after_padding, hidden_size], device
+    grammar_bitmask: GrammarBitmask | None = None
+    """The constrained rows' masks, when they came with the plan (tensor parallelism)."""
 
 
 def _first_eos(hf_config: object) -> int | None:
@@ -82,6 +85,7 @@ class ModelRunner:
         self.ops = self.platform.input_prep_ops()
         self.attn_backend = self.platform.attention_backend()
         self.copy_stream = self.platform.new_stream()
+        self.apply_grammar_bitmask = TokenBitmaskApplier(self.platform)
         self.execute_model_state: ExecuteModelState | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
@@ -242,7 +246,8 @@ class ModelRunner:
         batch = self._prepare_inputs(scheduler_output)
         metadata = self._prepare_attn(batch)
         hidden_states = self._run_model(batch, metadata)
-        self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states)
+        self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states,
+                                                     scheduler_output.grammar_bitmask)
 
     def _flush_block_tables(self) -> None:
         """A step without tokens still lands its staged block-table writes, so entries never
@@ -283,8 +288,9 @@ class ModelRunner:
         return self.sample_tokens_async().get_output()
 
     @torch.inference_mode()
-    def sample_tokens_async(self) -> AsyncOutput:
-        """Sample, start the copy to the host, update the slots; the host has not waited."""
+    def sample_tokens_async(self, grammar_bitmask: GrammarBitmask | None = None) -> AsyncOutput:
+        """Sample, start the copy to the host, update the slots; the host has not waited.
+        ``grammar_bitmask`` (else the plan's) masks the constrained rows' logits first."""
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
             return AsyncOutput([], [], [], None, None, [], self.copy_stream)
@@ -297,8 +303,10 @@ class ModelRunner:
         sampler_output = None
         num_logprobs: list[int | None] = []
         if rows.size:
+            grammar = grammar_bitmask or state.grammar_bitmask
+            sampled_req_ids = None if grammar is None else [batch.req_ids[r] for r in rows]
             sampler_output = self._sample(state.hidden_states, batch.sample_logits_indices,
-                                          idx_mapping, idx_mapping_np)
+                                          idx_mapping, idx_mapping_np, grammar, sampled_req_ids)
             if sampler_output.logprobs is not None:
                 num_logprobs = self.states.sampling.num_logprobs(idx_mapping_np)
         prompt_plan = None
@@ -321,9 +329,15 @@ class ModelRunner:
         return output
 
     def _sample(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,
-                idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> SamplerOutput:
-        """``idx_mapping`` is int64: the sampler's index ops take it without a conversion."""
+                idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray,
+                grammar: GrammarBitmask | None = None,
+                sampled_req_ids: list[str] | None = None) -> SamplerOutput:
+        """``idx_mapping`` is int64: the sampler's index ops take it without a conversion.
+        A grammar mask applies before every other logits processing
+        (docs/architecture.md#structured-outputs)."""
         logits = self._compute_logits(hidden_states, logits_indices)  # [num_rows, V]
+        if grammar is not None and sampled_req_ids is not None:
+            self.apply_grammar_bitmask(logits, grammar, sampled_req_ids)
         return self.sampler(logits, idx_mapping, idx_mapping_np)
 
     def _compute_logits(self, hidden_states: torch.Tensor,

@@ -29,6 +29,7 @@ from pagedserve.entrypoints.bench.serve_dataset import (
 from pagedserve.entrypoints.bench.serve_metrics import format_summary, parse_percentiles, summarize
 from pagedserve.entrypoints.bench.serve_report import write_json, write_plot
 from pagedserve.entrypoints.bench.serve_run import run_load
+from pagedserve.entrypoints.bench.serve_structured import STRUCTURED_KINDS, structured_fields
 
 USES_ENGINE = False
 """It talks to a server: no engine options."""
@@ -85,6 +86,12 @@ def _add_workload_args(work: argparse._ArgumentGroup) -> None:
     )
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--seed", type=int, default=0)
+    work.add_argument(
+        "--structured",
+        choices=STRUCTURED_KINDS,
+        default="none",
+        help="constrain every answer: a ten-field JSON schema, any JSON object, or a choice",
+    )
 
 
 def _add_load_args(load: argparse._ArgumentGroup) -> None:
@@ -133,7 +140,8 @@ def main(args: argparse.Namespace) -> int:
             tokenize=lambda text: _tokenize(http, model, text),
             detokenize=lambda ids: _detokenize(http, model, ids),
         )
-    sampling = {"temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    sampling = {"temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                **structured_fields(args.structured)}
     results, duration = asyncio.run(
         _load(args, base_url + ENDPOINT_PATHS[args.endpoint], headers, model, samples, sampling)
     )
@@ -225,6 +233,7 @@ def _settings(
         "ignore_eos": args.ignore_eos,
         "temperature": args.temperature,
         "seed": args.seed,
+        "structured": args.structured,
     }
 
 

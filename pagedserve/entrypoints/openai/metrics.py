@@ -68,6 +68,10 @@ _STAT_COUNTERS = {
     "num_preemptions": "Requests preempted (their KV blocks freed, to be recomputed).",
     "prompt_tokens": "Prompt tokens of requests that produced their first token.",
     "generation_tokens": "Generated tokens.",
+    "grammar_compiles": "Structured outputs: grammars compiled.",
+    "grammar_compile_seconds": "Structured outputs: seconds spent compiling grammars.",
+    "grammar_cache_queries": "Structured outputs: compiled-grammar cache lookups.",
+    "grammar_cache_hits": "Structured outputs: lookups that found the grammar compiled or compiling.",
 }
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from pagedserve.engine.input_processor import check_unicode
+from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.sampling_params import SamplingParams
 
 MAX_N = 128
@@ -55,7 +56,7 @@ class StreamOptions(BaseModel):
     """Send a last chunk with ``usage`` and no choices before ``data: [DONE]``."""
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredOutputFields):
     """Fields shared by completions and chat completions.
 
     An explicit ``null`` means the field's default, as in OpenAI's API (``n: null`` is
@@ -151,6 +152,7 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
