@@ -55,17 +55,36 @@ def scaled_mm_linear(
 
     ``input_scale`` fp32 [1]: the checkpoint's static activation scale; None: a scale per
     token, computed here. Row-wise ``_scaled_mm`` wants K and N multiples of 16, scales of
-    shape [M, 1] and [1, N] and a bf16 output; other compute dtypes are cast back."""
+    shape [M, 1] and [1, N] and a bf16 output; other compute dtypes are cast back.
+
+    Runs as the opaque op ``pagedserve::fp8_linear`` (``_fp8_linear_op``): inside a compiled
+    piece the token count is an unbacked size, on which ``_scaled_mm``'s shape checks would
+    have to guard."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = _fp8_linear_op(x2, weight, weight_scale, input_scale, bias)  # [M, N]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("pagedserve::fp8_linear", mutates_args=())
+def _fp8_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype."""
     if input_scale is None:
-        xq, x_scale = quantize_rows(x2)
+        xq, x_scale = quantize_rows(x)
         x_scale = x_scale.unsqueeze(-1)  # [M, 1]
     else:
-        xq = quantize_static(x2, input_scale)
-        x_scale = input_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()  # [M, 1]
+        xq = quantize_static(x, input_scale)
+        x_scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()  # [M, 1]
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16)  # [M, N]
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out
+
+
+@_fp8_linear_op.register_fake
+def _fp8_linear_fake(x, weight, weight_scale, input_scale, bias):  # noqa: ANN001, ANN202
+    return x.new_empty((x.shape[0], weight.shape[0]))

@@ -47,7 +47,9 @@ def _load(layer: torch.nn.Module, name: str, tensor: torch.Tensor, shard_id=None
 
 
 def _fp8(w: torch.Tensor, scale: float) -> torch.Tensor:
-    return (w / scale).to(FP8_DTYPE)
+    """Clamped to the FP8 range, as a checkpoint's quantizer does: the cast of a value past it
+    is NaN on some CPUs' conversion paths and saturates on others."""
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def test_quantize_rows_scales_each_row_to_the_fp8_range() -> None:
@@ -214,3 +216,18 @@ def test_fp8_layer_on_the_gpu_stays_close_to_bf16() -> None:
     ref = F.linear(x, w).float()
     error = (layer(x).float() - ref).norm() / ref.norm()
     assert error < 0.05
+
+
+def test_scaled_mm_linear_compiles_with_an_unbacked_token_count() -> None:
+    """Compiled pieces see the token count as an unbacked size; ``_scaled_mm``'s shape checks
+    would guard on it, so the FP8 GEMM runs as an opaque op (``pagedserve::fp8_linear``)."""
+    torch.manual_seed(0)
+    weight, weight_scale = quantize_rows(torch.randn(32, 64))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return scaled_mm_linear(t, weight, weight_scale, None, None)
+
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), forward(x), rtol=0, atol=0)
