@@ -13,7 +13,7 @@ import pytest
 
 from pagedserve.config import ModelConfig
 from pagedserve.model.hub import is_repo_id
-from pagedserve.model.resolve import CheckpointError, model_folder, resolve_model
+from pagedserve.model.resolve import model_folder, resolve_model
 from pagedserve.model.tokenizer import get_tokenizer
 from tests.engine.tiny_models import save_checkpoint
 
@@ -75,12 +75,12 @@ def test_unknown_hub_name_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_quantized_checkpoint_refused_by_method(tmp_path: Path, tiny_folder: Path) -> None:
-    folder = tmp_path / "fp8"
+    folder = tmp_path / "awq"
     shutil.copytree(tiny_folder, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"quant_method 'compressed-tensors'.*not supported"):
+    with pytest.raises(ValueError, match=r"awq"):
         resolve_model(str(folder))
 
 

@@ -220,10 +220,13 @@ def test_fp8_layer_on_the_gpu_stays_close_to_bf16() -> None:
 
 def test_scaled_mm_linear_compiles_with_an_unbacked_token_count() -> None:
     """Compiled pieces see the token count as an unbacked size; ``_scaled_mm``'s shape checks
-    would guard on it, so the FP8 GEMM runs as an opaque op (``pagedserve::fp8_linear``)."""
+    would guard on it, so the FP8 GEMM runs as an opaque op (``pagedserve::fp8_linear``).
+    On the card where there is one: torch's CPU ``_scaled_mm`` takes row-wise scales only from
+    2.13 on."""
     torch.manual_seed(0)
-    weight, weight_scale = quantize_rows(torch.randn(32, 64))
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    device = torch.device("cuda" if _fp8_gpu() else "cpu")
+    weight, weight_scale = quantize_rows(torch.randn(32, 64, device=device))
+    x = torch.randn(5, 64, dtype=torch.bfloat16, device=device)
 
     def forward(t: torch.Tensor) -> torch.Tensor:
         return scaled_mm_linear(t, weight, weight_scale, None, None)
