@@ -95,11 +95,10 @@ def cpu_thread_count(cores: int, load_average: float) -> int:
 
     Why not every core: torch splits each op across its OpenMP threads and waits for all of
     them. When another process holds one of the cores, every op waits for the thread that is
-    not running (a scheduler time slice, milliseconds): measured on 2 shared cores,
-    dequantizing the default model took 10-12 s with 2 threads and 0.26 s with 1, and a
-    64-row bf16 linear 11 ms instead of 0.3 ms. One thread too few costs at most the
-    speed-up of that thread; one too many can cost 40x. ``load_average`` is the 1-minute load
-    (runnable processes) measured before this engine started working.
+    not running (a scheduler time slice). One thread too few costs at most the speed-up of
+    that thread; one too many costs a time slice per op (docs/cpu.md#threads-and-the-allocator
+    has the measurements). ``load_average`` is the 1-minute load (runnable processes) measured
+    before this engine started working.
     """
     if cores < 1:
         raise ValueError(f"cores: expected >= 1, got {cores}")
@@ -136,13 +135,10 @@ def configure_cpu_allocator() -> bool:
     Why: torch's CPU tensors come from ``malloc``. By default glibc serves large blocks with
     fresh ``mmap`` calls and gives freed memory back to the system, so each step's big
     temporaries (activations, gathered KV blocks) fault their pages in again, every step.
-    Page faults are cheap on an idle machine and expensive on a busy one. Measured on the
-    default model (bf16, 64 requests of 128 tokens, 1 thread, 2-core VM): with other jobs
-    loading it (load average ~3.3) the 8192-token prefill took 19.3 s with 1.04 M page faults
-    and 11.7 s with 0.44 M with these settings, a decode step 321 ms and 206 ms; idle (load
-    ~0.8) the whole 64 x 128-token run took 41.3-45.5 s and 40.6-41.4 s. Memory the process
-    once used stays with it (its peak, as a server's). Process-wide; call once at start-up,
-    before the work that allocates.
+    Page faults are cheap on an idle machine and expensive on a busy one
+    (docs/cpu.md#threads-and-the-allocator has the measurements). Memory the process once used
+    stays with it (its peak, as a server's). Process-wide; call once at start-up, before the
+    work that allocates.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -176,8 +176,8 @@ def test_generate_names_paris(paris_run):
 
 
 def test_generate_within_15_seconds(paris_run):
-    """Issue 4's target: start to end under 15 s on a 2-core CPU (measured 6.4-7.1 s at load
-    average 3 with the bytecode that scripts/install.sh compiles)."""
+    """The README's first command, start to end under 15 s on a 2-core CPU (with the bytecode
+    that scripts/install.sh compiles)."""
     result, elapsed = paris_run
     assert result.returncode == 0, result.stderr
     assert elapsed < 15.0, f"took {elapsed:.1f} s"

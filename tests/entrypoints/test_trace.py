@@ -1,7 +1,8 @@
-"""``pagedserve trace``: the seed's step, stop by stop, read from the runner's own buffers.
+"""``pagedserve trace``: the ``seed`` scenario's step, step by step, read from the runner's own
+buffers.
 
-A tiny random Llama (with a tiny BPE tokenizer) stands in for the default model: the issue
-allows any model, and every value checked here is set by the scenario, not by the weights.
+A tiny random Llama (with a tiny BPE tokenizer) stands in for the default model: every value
+checked here is set by the scenario, not by the weights.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The seed's step, stop by stop, read through the runner's trace hook.
+"""The ``seed`` scenario's step (``pagedserve trace --scenario seed``), step by step, read
+through the runner's trace observer (docs/architecture.md#one-engine-step).
 
-Block size 16, 1024 request slots, H200 capture sizes on one ladder for both modes, as in the
-seed (vLLM pads PIECEWISE on the dense FULL ladder; pagedserve's default PIECEWISE ladder is
-sparser, see tests/worker/test_cudagraph.py). R1 (540-token prompt) and R2 (129) are
-prefilled in a first step, so the seed step finds them decoding at 540 and 129 computed tokens
-while R3 arrives with a 298-token prompt.
+Block size 16, 1024 request slots, H200 capture sizes on one ladder for both modes (vLLM pads
+PIECEWISE on the dense FULL ladder; pagedserve's default PIECEWISE ladder is sparser, see
+tests/worker/test_cudagraph.py). R1 (540-token prompt) and R2 (129) are prefilled in a first
+step, so the traced step finds them decoding at 540 and 129 computed tokens while R3 arrives
+with a 298-token prompt.
 """
 
 from __future__ import annotations
