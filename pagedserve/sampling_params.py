@@ -31,6 +31,10 @@ def _token_biases(logit_bias: Any) -> dict[int, float]:
     return out
 
 
+MAX_TEMPERATURE = 100.0
+"""Far past where sampling is uniform noise; a larger one (1e308) overflows the logits to
+infinity in float32 and turns masked ones into NaN."""
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -85,7 +89,8 @@ class SamplingParams:
         """Raise ValueError naming the field that is out of range."""
         checks = [
             (1 <= self.n <= _MAX_N, f"n must be in [1, {_MAX_N}], got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 <= self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),

@@ -50,3 +50,15 @@ def test_json_shaped_values_are_taken_as_their_python_types() -> None:
     assert params.temperature == 1 and params.stop == ["a", "b"]
     assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int
     assert params.logit_bias == {5: 2.0}
+
+
+@pytest.mark.parametrize("temperature", [-0.5, 100.5, 1e308, float("inf")])
+def test_temperature_out_of_range_refused(temperature: float) -> None:
+    """A huge temperature overflows the scaled logits to infinity in float32 (min_tokens' masked
+    EOS then wins every draw): refused offline as on the server."""
+    with pytest.raises(ValueError, match="^temperature must be in"):
+        SamplingParams(temperature=temperature)
+
+
+def test_temperature_at_the_cap_accepted() -> None:
+    assert SamplingParams(temperature=100.0).temperature == 100.0

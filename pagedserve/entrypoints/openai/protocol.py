@@ -13,14 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 
 from pagedserve.engine.input_processor import check_unicode
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_TEMPERATURE, SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 64
-MAX_TEMPERATURE = 100.0
-"""Far past where sampling is uniform noise; a larger one would overflow to infinity in
-float32 and turn masked logits into NaN."""
 
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
