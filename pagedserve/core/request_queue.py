@@ -82,3 +82,13 @@ def make_request_queue(policy: str) -> RequestQueue:
     if policy == "priority":
         return PriorityQueue()
     raise ValueError(f"policy: {policy!r} is not fcfs or priority")
+
+
+def check_priority(policy: str, priority: int) -> None:
+    """Refuse a priority that the scheduling policy would silently ignore."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: expected an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority: needs --policy priority (the scheduling policy is {policy}); got {priority}"
+        )

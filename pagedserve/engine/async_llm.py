@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import RequestStatus
+from pagedserve.core.request_queue import check_priority
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.core_client import EngineCoreClient
@@ -246,14 +247,21 @@ class AsyncLLM:
         return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params)
 
     async def process_inputs_async(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> ProcessedRequest:
-        """``process_inputs`` with the tokenizing in a tokenizer thread."""
+        """``process_inputs`` with the tokenizing in a tokenizer thread; ``priority`` (lower
+        first) needs the ``priority`` scheduling policy."""
+        check_priority(self.config.scheduler.policy, priority)
         processor = self._admit_processor()
         request_id = request_id or uuid.uuid4().hex
+        args = (request_id, prompt, params, None, priority)
         if not isinstance(prompt, str) or len(prompt) <= INLINE_TEXT_CHARS:
-            return processor.process_inputs(request_id, prompt, params)
-        return await self._in_tokenizer_thread(processor.process_inputs, request_id, prompt, params)
+            return processor.process_inputs(*args)
+        return await self._in_tokenizer_thread(processor.process_inputs, *args)
 
     async def _in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)

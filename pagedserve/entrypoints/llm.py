@@ -25,6 +25,7 @@ from pagedserve.config import (
     SchedulerConfig,
 )
 from pagedserve.core.request import RequestStatus
+from pagedserve.core.request_queue import check_priority
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import (
     ChatMessages,
@@ -117,19 +118,28 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or
         a list of those. ``sampling_params``: one for all prompts or one per prompt.
+        ``priority``: one per prompt, lower first; needs ``policy="priority"``.
         Every prompt is validated before any runs (``ValueError`` naming the field).
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list),
                                       self.get_default_sampling_params)
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: expected {len(prompt_list)} values (one per prompt), "
+                             f"got {len(priorities)}")
+        for value in priorities:
+            check_priority(self.config.scheduler.policy, value)
         processed = [
-            self.input_processor.process_inputs(str(next(self._request_counter)), p, sp)
-            for p, sp in zip(prompt_list, params_list, strict=True)
+            self.input_processor.process_inputs(
+                str(next(self._request_counter)), p, sp, priority=pr)
+            for p, sp, pr in zip(prompt_list, params_list, priorities, strict=True)
         ]
         request_ids = [r.request_id for r in processed]
         # An exception (Ctrl-C included) anywhere below aborts this call's requests, so their

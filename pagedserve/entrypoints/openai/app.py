@@ -128,6 +128,10 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings
         version=pagedserve.__version__,
         lifespan=_lifespan(engine, settings),
         description="OpenAI-compatible API of the pagedserve engine.",
+        # FastAPI's /docs and /redoc pages load their scripts from a CDN (blank offline), and
+        # no package ships a Swagger UI that renders OpenAPI 3.1: /openapi.json only.
+        docs_url=None,
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
@@ -230,6 +234,6 @@ async def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
         raise ValueError("prompt: give exactly one of prompt and messages")
     if request.prompt is not None:
         return await engine.encode_async("prompt", request.prompt, request.add_special_tokens)
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages or []]
+    messages = [m.chat_dict() for m in request.messages or []]
     rendered = await engine.render_chat_async(messages, request.add_generation_prompt)
     return rendered["prompt_token_ids"]

@@ -18,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.entrypoints.openai.unsupported_fields import unsupported_message
+
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
@@ -113,6 +115,14 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return bad_request(
             f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json"
         )
+    # An undeclared field is named first, unless it sits under a union (a content part of an
+    # unknown type is reported as the union's alternatives, below).
+    extra = next((e for e in errors if e.get("type") == "extra_forbidden"
+                  and not _has_type_tag(e.get("loc", ()))), None)
+    if extra is not None:
+        param = format_loc(extra["loc"])
+        message, code = unsupported_message(param or "", str(extra["loc"][-1]))
+        return bad_request(message, param=param, code=code)
     param = format_loc(first.get("loc", ()))
     if first.get("type") == "missing":
         return bad_request(

@@ -99,6 +99,10 @@ class ServerMetrics:
         self.kv_usage = gauge(
             "kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1)."
         ).labels(model_name)
+        self.prefix_hit_rate = gauge(
+            "prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / looked up, since the engine started.",
+        ).labels(model_name)
         self.stat_counters = {
             name: Counter(PREFIX + name, doc, labels, registry=reg).labels(model_name)
             for name, doc in _STAT_COUNTERS.items()
@@ -131,6 +135,7 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         for name, counter in self.stat_counters.items():
             value = getattr(stats, name)
             # A restarted engine starts from 0 again: count from there.

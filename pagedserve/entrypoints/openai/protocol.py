@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedserve.engine.input_processor import check_unicode
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
+from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
 from pagedserve.sampling_params import MAX_TEMPERATURE, SamplingParams
 
 MAX_N = 128
@@ -48,7 +50,7 @@ StopField = Annotated[
 ]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     """Send a last chunk with ``usage`` and no choices before ``data: [DONE]``."""
 
@@ -62,7 +64,7 @@ class SamplingFields(StructuredOutputFields):
     """
 
     # Python's JSON parser accepts NaN and Infinity: refuse them in every float field.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = Field(None, description="Served model name; defaults to the only model.")
     n: int = Field(1, ge=1, le=MAX_N, json_schema_extra=_or_null)
@@ -95,6 +97,11 @@ class SamplingFields(StructuredOutputFields):
         gt=0.0,
         description="Seconds from arrival (queueing included) after which the request is "
         "aborted: 408 with code request_timeout, or that error as the last event of a stream.",
+    )
+    priority: int = Field(
+        0,
+        description="Lower is scheduled first (vLLM's convention); needs the server's "
+        "--policy priority, refused otherwise.",
     )
 
     @model_validator(mode="before")
@@ -211,15 +218,32 @@ class CompletionRequest(SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
-class TextPart(BaseModel):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(RequestBody):
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _refuse_tool_role(cls, role: object) -> object:
+        if role == "tool":
+            raise PydanticCustomError(
+                "unsupported_value", "'tool' is not supported (tool calling is not implemented yet)"
+            )
+        return role
+
+    def chat_dict(self) -> dict[str, str]:
+        """The message as the chat template reads it (``name`` kept for templates that show
+        it, as vLLM does)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -251,7 +275,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def chat_dicts(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.chat_dict() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -265,7 +289,7 @@ class ChatCompletionRequest(SamplingFields):
         return self._sampling_params(max_tokens, logprobs, None)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -276,6 +300,6 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]

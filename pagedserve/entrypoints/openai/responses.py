@@ -17,17 +17,24 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (a multiple of the block size)."""
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @staticmethod
-    def of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

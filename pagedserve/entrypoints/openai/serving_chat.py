@@ -65,7 +65,9 @@ class OpenAIServingChat:
             prompt = await self.engine.render_chat_async(
                 request.chat_dicts(), request.add_generation_prompt
             )
-            processed = await self.engine.process_inputs_async(prompt, params, request_id)
+            processed = await self.engine.process_inputs_async(
+                prompt, params, request_id, request.priority
+            )
         if not request.stream:
             return await cancel_on_disconnect(raw, self._full(request, model, processed))
         with engine_errors():
@@ -122,7 +124,9 @@ class OpenAIServingChat:
             for c in final.outputs
         ]
         usage = UsageInfo.of(
-            len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
+            len(final.prompt_token_ids),
+            sum(len(c.token_ids) for c in final.outputs),
+            final.num_cached_tokens or 0,
         )
         response = ChatCompletionResponse(
             id=processed.request_id, model=model, choices=choices, usage=usage
@@ -142,8 +146,7 @@ class OpenAIServingChat:
             )
 
         echo = self._echo_text(request)
-        prompt_tokens = 0
-        completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             for index in range(request.n):
                 yield chunk(
@@ -153,6 +156,7 @@ class OpenAIServingChat:
                     yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echo)))
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
+                cached_tokens = output.num_cached_tokens or cached_tokens
                 for c in output.outputs:
                     completion_tokens += len(c.token_ids)
                     logprobs = self._logprobs(request, c)
@@ -178,7 +182,7 @@ class OpenAIServingChat:
                         created=created,
                         model=model,
                         choices=[],
-                        usage=UsageInfo.of(prompt_tokens, completion_tokens),
+                        usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens),
                     )
                 )
         except Exception as exc:

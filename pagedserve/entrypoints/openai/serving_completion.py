@@ -57,7 +57,9 @@ class OpenAIServingCompletion:
         with engine_errors():
             params = request.to_sampling_params()
             processed = [
-                await self.engine.process_inputs_async(prompt, params, f"{request_id}-{i}")
+                await self.engine.process_inputs_async(
+                    prompt, params, f"{request_id}-{i}", request.priority
+                )
                 for i, prompt in enumerate(request.prompts())
             ]
         if not request.stream:
@@ -122,9 +124,10 @@ class OpenAIServingCompletion:
             finally:
                 close_all(streams)
         choices: list[CompletionChoice] = []
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         for i, final in enumerate(finals):
             prompt_tokens += len(final.prompt_token_ids)
+            cached_tokens += final.num_cached_tokens or 0
             for completion in final.outputs:
                 completion_tokens += len(completion.token_ids)
                 choices.append(
@@ -134,7 +137,7 @@ class OpenAIServingCompletion:
             id=request_id,
             model=model,
             choices=choices,
-            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens),
         )
         return JSONResponse(response.model_dump())
 
@@ -169,6 +172,8 @@ class OpenAIServingCompletion:
         try:
             async for i, output in merge_streams(streams):
                 state.prompt_tokens.setdefault(i, len(output.prompt_token_ids))
+                if output.num_cached_tokens:
+                    state.cached_tokens[i] = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = self._chunk_choice(
                         request, i * request.n + completion.index, output, completion, state
@@ -181,7 +186,9 @@ class OpenAIServingCompletion:
                         )
             if request.include_usage:
                 usage = UsageInfo.of(
-                    sum(state.prompt_tokens.values()), sum(state.completion_tokens.values())
+                    sum(state.prompt_tokens.values()),
+                    sum(state.completion_tokens.values()),
+                    sum(state.cached_tokens.values()),
                 )
                 yield sse(
                     CompletionResponse(
@@ -233,5 +240,6 @@ class _StreamState:
 
     def __init__(self) -> None:
         self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
         self.text_offsets: dict[int, int] = {}

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
 from pagedserve.structured_output.params import StructuredOutputsParams
 
 _ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -29,7 +30,7 @@ def _renamed(message: str, field: str, kind: str) -> str:
     return message
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestBody):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field(..., min_length=1, max_length=64)
@@ -39,12 +40,12 @@ class JsonSchemaFormat(BaseModel):
         None, description="Accepted; the schema is always enforced (xgrammar's strict mode).")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsObject(BaseModel):
+class StructuredOutputsObject(RequestBody):
     """vLLM's ``structured_outputs`` extra field."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -54,7 +55,7 @@ class StructuredOutputsObject(BaseModel):
     json_object: bool | None = None
 
 
-class StructuredOutputFields(BaseModel):
+class StructuredOutputFields(RequestBody):
     """The request fields; mixed into the completions and chat request bodies."""
 
     response_format: ResponseFormat | None = None

@@ -1,0 +1,91 @@
+"""Request fields of OpenAI's API and of vLLM's extras that this server does not implement.
+
+Every request body forbids unknown fields (as OpenAI's API does): a field the server would
+otherwise drop is a 400. The fields named here get "X is not supported" (and why, where a
+reason helps), any other unknown field gets "X: unknown field". docs/serving.md lists them.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+_TOOLS = "tool calling is not implemented yet"
+_BEAM = "beam search is not implemented"
+_TEMPLATE = "the server renders the model's own chat template"
+_MULTIMODAL = "the models served are text-only"
+
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    # OpenAI chat completions.
+    "tools": _TOOLS,
+    "tool_choice": _TOOLS,
+    "parallel_tool_calls": _TOOLS,
+    "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "tool_calls": _TOOLS,
+    "tool_call_id": _TOOLS,
+    "audio": _MULTIMODAL,
+    "modalities": _MULTIMODAL,
+    "prediction": "predicted outputs are not implemented",
+    "service_tier": "",
+    "store": "",
+    "metadata": "",
+    "reasoning_effort": "",
+    "verbosity": "",
+    "web_search_options": "",
+    "prompt_cache_key": "prefix caching is automatic",
+    "safety_identifier": "",
+    "refusal": "",
+    "moderation": "",
+    "prompt_cache_options": "prefix caching is automatic",
+    "prompt_cache_retention": "prefix caching is automatic",
+    "include_obfuscation": "",
+    # OpenAI (legacy) completions.
+    "best_of": _BEAM,
+    "suffix": "",
+    # vLLM's extras.
+    "use_beam_search": _BEAM,
+    "length_penalty": _BEAM,
+    "early_stopping": _BEAM,
+    "truncate_prompt_tokens": "",
+    "prompt_logprobs": "",
+    "allowed_token_ids": "",
+    "bad_words": "",
+    "spaces_between_special_tokens": "",
+    "add_special_tokens": "",
+    "continue_final_message": "",
+    "chat_template": _TEMPLATE,
+    "chat_template_kwargs": _TEMPLATE,
+    "documents": _TEMPLATE,
+    "mm_processor_kwargs": _MULTIMODAL,
+    "media_io_kwargs": _MULTIMODAL,
+    "prompt_embeds": "",
+    "guided_decoding_backend": "the backend is xgrammar",
+    "guided_whitespace_pattern": "",
+    "structural_tag": "",
+    "logits_processors": "",
+    "return_tokens_as_token_ids": "",
+    "return_token_ids": "",
+    "include_reasoning": "",
+    "cache_salt": "",
+    "kv_transfer_params": "",
+    "vllm_xargs": "",
+    "request_id": "",
+    "continuous_usage_stats": "",
+}
+"""Field name -> why it is refused ("" when the name says enough)."""
+
+
+def unsupported_message(param: str, name: str) -> tuple[str, str]:
+    """The 400's message and error code (OpenAI's) for the field ``name`` the body does not
+    declare (at ``param``, its path)."""
+    if name not in UNSUPPORTED_FIELDS:
+        return f"{param}: unknown field", "unknown_parameter"
+    reason = UNSUPPORTED_FIELDS[name]
+    return f"{param} is not supported" + (f" ({reason})" if reason else ""), "unsupported_parameter"
+
+
+class RequestBody(BaseModel):
+    """Base of every request body and of the objects inside one: unknown fields are refused
+    (``additionalProperties: false`` in ``/openapi.json``)."""
+
+    model_config = ConfigDict(extra="forbid")
