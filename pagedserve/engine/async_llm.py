@@ -29,7 +29,12 @@ from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
-from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedserve.engine.input_processor import (
+    ChatRenderOptions,
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+)
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_stream import (
     EngineNotReadyError,
@@ -146,6 +151,7 @@ class AsyncLLM:
             self.info.max_model_len,
             self.info.vocab_size,
             self.parse_special_tokens_in_content,
+            self.config.model.chat_template,
         )
         self.state = EngineState.READY
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")
@@ -213,21 +219,19 @@ class AsyncLLM:
     # -- requests ------------------------------------------------------------------------------
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], options: ChatRenderOptions
     ) -> dict[str, Any]:
-        return self._ready_processor().render_chat(messages, add_generation_prompt)
+        return self._ready_processor().render_chat(messages, options)
 
     async def render_chat_async(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], options: ChatRenderOptions
     ) -> dict[str, Any]:
         """``render_chat``, in a tokenizer thread for a long conversation."""
         processor = self._ready_processor()
         chars = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict))
         if chars <= INLINE_TEXT_CHARS:
-            return processor.render_chat(messages, add_generation_prompt)
-        return await self._in_tokenizer_thread(
-            processor.render_chat, messages, add_generation_prompt
-        )
+            return processor.render_chat(messages, options)
+        return await self._in_tokenizer_thread(processor.render_chat, messages, options)
 
     async def encode_async(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
         """``InputProcessor.encode`` in a tokenizer thread."""

@@ -28,6 +28,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import (
     ChatMessages,
+    ChatRenderOptions,
     InputProcessor,
     ProcessedRequest,
     PromptType,
@@ -97,6 +98,7 @@ class LLM:
             folder,
             self.engine_core.max_model_len,
             self.engine_core.vocab_size,
+            chat_template=self.config.model.chat_template,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -146,17 +148,26 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
-        a list of conversations, rendered with the model's chat template."""
+        a list of conversations, rendered with the chat template (``chat_template`` or the
+        tokenizer's). ``content`` is a string or a list of ``{"type": "text", "text": ...}``
+        parts; other part types are refused. ``continue_final_message``: continue the last
+        (assistant) message instead of starting a new turn; ``add_generation_prompt`` None
+        means True unless it is set. ``chat_template_kwargs``: extra template variables
+        (Qwen3's ``enable_thinking``)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
+        options = ChatRenderOptions.of(
+            add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         conversations = as_conversations(messages)
         prompts = [
-            self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c,
-                                             add_generation_prompt)
+            self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c, options)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

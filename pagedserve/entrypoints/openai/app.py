@@ -22,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
+from pagedserve.engine.input_processor import ChatRenderOptions
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedserve.entrypoints.openai.http_guards import DEFAULT_BODY_TIMEOUT_S, RequestGuard
@@ -231,5 +232,6 @@ async def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
     if request.prompt is not None:
         return await engine.encode_async("prompt", request.prompt, request.add_special_tokens)
     messages = [{"role": m.role, "content": m.text()} for m in request.messages or []]
-    rendered = await engine.render_chat_async(messages, request.add_generation_prompt)
+    rendered = await engine.render_chat_async(
+        messages, ChatRenderOptions(request.add_generation_prompt))
     return rendered["prompt_token_ids"]
