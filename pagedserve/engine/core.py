@@ -28,7 +28,7 @@ from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sc
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.gc_heap import freeze_startup_heap
-from pagedserve.model.loader import get_max_model_len
+from pagedserve.model.loader import get_max_model_len, model_class_of
 from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import platform_for, resolve_device, resolve_dtype
 
@@ -79,12 +79,14 @@ def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
 
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedModel]:
     """For frontends that want a bad model to fail before the engine starts: the model's files
-    and config, with ``device``, ``dtype`` and ``max_model_len`` filled in.
+    and config, with ``device``, ``dtype`` and ``max_model_len`` filled in; an architecture the
+    engine does not implement is refused here (``CheckpointError``, one line).
 
     It reads the model's config (seconds for a GGUF file), so ``EngineCore`` does not call it:
     the model runner reads that config once while loading.
     """
     resolved = resolve_model_config(config.model)
+    model_class_of(resolved)
     config = resolve_device_and_dtype(config)
     max_model_len = get_max_model_len(config.model, resolved.hf_config)
     model = dataclasses.replace(config.model, max_model_len=max_model_len)
@@ -129,12 +131,14 @@ class EngineCore:
         # no full collection stalls a step later (``gc_heap``).
         freeze_startup_heap(self)
         logger.info(
-            "engine ready in %.2f s: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
+            "engine ready in %.2f s: %s on %s (%s), max_model_len %d, KV cache of %d tokens "
+            "(%d blocks of %d)",
             time.perf_counter() - start,
             self.config.model.model,
             self.config.device,
             self.config.model.dtype,
             self.max_model_len,
+            num_blocks * self.config.cache.block_size,
             num_blocks,
             self.config.cache.block_size,
         )

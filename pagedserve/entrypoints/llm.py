@@ -177,7 +177,7 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a DELTA ``RequestOutput`` (the new text and
         tokens) after every step that produced some. Closing the iterator early aborts the
-        request."""
+        request; so does Ctrl-C, delivered between steps (``DeferredInterrupt``)."""
         params = sampling_params or self.get_default_sampling_params()
         processed = self.input_processor.process_inputs(
             str(next(self._request_counter)), prompt, params
@@ -185,7 +185,9 @@ class LLM:
         self._add(processed, RequestOutputKind.DELTA)
         try:
             while self.output_processor.has_unfinished_requests():
-                yield from self._step()
+                with DeferredInterrupt() as interrupt, interrupt.step():
+                    outputs = self._step()
+                yield from outputs
         finally:
             self._abort([processed.request_id])
 

@@ -107,7 +107,7 @@ def _lifespan(engine: AsyncLLM, settings: ServerSettings) -> Callable:
                 logger.error("engine failed to start: %s", e)
                 settings.on_fatal(str(e))
                 return
-            logger.warning(
+            logger.info(
                 "engine ready: serving %s (max_model_len %d)",
                 settings.served_model_names[0],
                 engine.max_model_len,
