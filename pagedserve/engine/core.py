@@ -61,6 +61,32 @@ def _timed(phase: str) -> Iterator[None]:
     logger.info("engine start-up: %s took %.2f s", phase, time.perf_counter() - start)
 
 
+OUT_OF_MEMORY_MARKS = ("out of memory", "can't allocate memory")
+"""How torch's allocators word a failed allocation (CUDA's ``OutOfMemoryError``, the CPU's
+``DefaultCPUAllocator``); both are ``RuntimeError``."""
+
+
+class NotEnoughMemoryError(MemoryError):
+    """The model or its KV cache does not fit at start-up; the message says what to lower."""
+
+
+@contextmanager
+def _out_of_memory_as_one_line(phase: str) -> Iterator[None]:
+    """A failed allocation during start-up ``phase`` as a ``NotEnoughMemoryError`` whose
+    message is one line, instead of the allocator's traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, RuntimeError) and not any(m in first_line for m in OUT_OF_MEMORY_MARKS):
+            raise
+        raise NotEnoughMemoryError(
+            f"not enough memory to {phase}: {first_line} (lower --max-model-len, "
+            "--max-num-seqs, --gpu-memory-utilization or --kv-cache-memory, or use a smaller "
+            "model or dtype)"
+        ) from e
+
+
 def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
     """Fill ``device``, ``model.dtype`` and ``scheduler.async_scheduling`` with concrete values
     (``auto`` / None resolved once, here).
@@ -109,12 +135,12 @@ class EngineCore:
         platform_for(self.config.device).configure_process()  # CPU: thread count, allocator
         # uni / mp / ray, from config.parallel (tensor_parallel_size, distributed_executor_backend)
         self.executor = create_executor(self.config)
-        with _timed("load model"):
+        with _timed("load model"), _out_of_memory_as_one_line("load the model"):
             self.executor.load_model()
-        with _timed("size KV cache"):
+        with _timed("size KV cache"), _out_of_memory_as_one_line("allocate the KV cache"):
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(num_blocks)
-        with _timed("capture CUDA graphs"):
+        with _timed("capture CUDA graphs"), _out_of_memory_as_one_line("capture CUDA graphs"):
             self.executor.capture_graphs()  # a no-op on the CPU or with enforce_eager
         self.num_blocks = num_blocks
         model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)

@@ -213,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return USAGE_ERROR
+    except MemoryError as e:  # the engine's NotEnoughMemoryError: one line, not a traceback
+        sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("\n")
         return 130

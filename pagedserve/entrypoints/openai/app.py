@@ -104,7 +104,7 @@ def _lifespan(engine: AsyncLLM, settings: ServerSettings) -> Callable:
             try:
                 await engine.start()
             except Exception as e:  # the engine process failed to load the model
-                logger.error("engine failed to start: %s", e)
+                logger.debug("engine failed to start: %s", e)  # main() prints it
                 settings.on_fatal(str(e))
                 return
             logger.info(
