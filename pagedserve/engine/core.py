@@ -28,6 +28,7 @@ from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sc
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.gc_heap import freeze_startup_heap
+from pagedserve.engine.input_processor import load_chat_template
 from pagedserve.model.loader import get_max_model_len, model_class_of
 from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import platform_for, resolve_device, resolve_dtype
@@ -106,13 +107,16 @@ def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedModel]:
     """For frontends that want a bad model to fail before the engine starts: the model's files
     and config, with ``device``, ``dtype`` and ``max_model_len`` filled in; an architecture the
-    engine does not implement is refused here (``CheckpointError``, one line).
+    engine does not implement is refused here (``CheckpointError``, one line), and so is a
+    ``chat_template`` that is neither a readable file nor valid Jinja.
 
     It reads the model's config (seconds for a GGUF file), so ``EngineCore`` does not call it:
     the model runner reads that config once while loading.
     """
     resolved = resolve_model_config(config.model)
     model_class_of(resolved)
+    if config.model.chat_template is not None:
+        load_chat_template(config.model.chat_template)
     config = resolve_device_and_dtype(config)
     max_model_len = get_max_model_len(config.model, resolved.hf_config)
     model = dataclasses.replace(config.model, max_model_len=max_model_len)

@@ -33,6 +33,7 @@ from pagedserve.engine.input_processor import (
     ProcessedRequest,
     PromptType,
     as_conversations,
+    load_chat_template,
 )
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.deferred_interrupt import DeferredInterrupt
@@ -86,6 +87,9 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
+        # A bad --chat-template fails before the model loads; its text is kept.
+        chat_template = (None if config.model.chat_template is None
+                         else load_chat_template(config.model.chat_template))
         self.engine_core = EngineCore(config)
         self.config = self.engine_core.config
         # skip_tokenizer_init (vLLM's name): token-id prompts only, outputs without text.
@@ -98,7 +102,7 @@ class LLM:
             folder,
             self.engine_core.max_model_len,
             self.engine_core.vocab_size,
-            chat_template=self.config.model.chat_template,
+            chat_template=chat_template,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()

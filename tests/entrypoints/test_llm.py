@@ -108,6 +108,8 @@ def test_chat_template_and_its_kwargs(tmp_path):
     (thinking,) = llm.chat(conversation, GREEDY, use_tqdm=False,
                            chat_template_kwargs={"enable_thinking": True})
     assert (plain.prompt, thinking.prompt) == ("Hi", "Hi think")
+    with pytest.raises(ValueError, match="^chat_template: .* neither a readable file"):
+        LLM(model=str(folder), chat_template=str(tmp_path / "missing.jinja"))
 
 
 def test_bad_input_runs_nothing(tiny):
