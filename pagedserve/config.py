@@ -84,6 +84,9 @@ class ModelConfig:
     """Default sampling values: auto (the model folder's ``generation_config.json``), vllm (the
     engine's own defaults), or a folder holding a ``generation_config.json``. Request fields
     always win."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file path, or the template text inline) used instead of the
+    tokenizer's own on both APIs; None: the tokenizer's."""
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -30,7 +30,12 @@ from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
-from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from pagedserve.engine.input_processor import (
+    ChatRenderOptions,
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+)
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_stream import (
     EngineNotReadyError,
@@ -39,11 +44,15 @@ from pagedserve.engine.request_stream import (
     RequestTimeoutError,
     ServerShuttingDownError,
 )
+from pagedserve.engine.stats_logger import StatsLogger
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+STATS_POLL_S = 1.0
+"""How often the stats task hands the latest step's stats to the ``StatsLogger`` (which logs
+a line only once per its interval)."""
 DRAIN_POLL_S = 0.05
 """How often ``drain`` looks whether the in-flight requests have finished."""
 TOKENIZER_THREADS = 1
@@ -121,6 +130,8 @@ class AsyncLLM:
         self.input_processor: InputProcessor | None = None
         self.output_processor = OutputProcessor(tokenizer)
         self.latest_stats: SchedulerStats | None = None
+        self.stats_logger = StatsLogger()
+        self._stats_task: asyncio.Task | None = None
         self._client: EngineCoreClient | None = None
         self._streams: dict[str, RequestStream] = {}
         self._stream_of_child: dict[str, RequestStream] = {}
@@ -147,9 +158,12 @@ class AsyncLLM:
             self.info.max_model_len,
             self.info.vocab_size,
             self.parse_special_tokens_in_content,
+            self.config.model.chat_template,
         )
         self.state = EngineState.READY
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")
+        self.stats_logger = StatsLogger()  # its first window starts now, not at the load
+        self._stats_task = asyncio.create_task(self._stats_loop(), name="pagedserve-stats-log")
 
     async def drain(self, timeout: float) -> int:
         """Graceful shutdown's first half: refuse new requests (``ServerShuttingDownError``),
@@ -174,12 +188,19 @@ class AsyncLLM:
             logger.warning("shutdown: %d request(s) cut after %g s", len(cut), timeout)
         return len(cut)
 
+    def cut_drain(self) -> None:
+        """End a running ``drain`` now (a second Ctrl-C): it cuts the requests still in
+        flight at its next poll instead of waiting out its timeout."""
+        if self.state is EngineState.DRAINING:
+            self.state = EngineState.STOPPED
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
         self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._stats_task):
+            if task is not None:
+                task.cancel()
         if self._client is not None:
             await self._client.shutdown(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -214,21 +235,19 @@ class AsyncLLM:
     # -- requests ------------------------------------------------------------------------------
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], options: ChatRenderOptions
     ) -> dict[str, Any]:
-        return self._ready_processor().render_chat(messages, add_generation_prompt)
+        return self._ready_processor().render_chat(messages, options)
 
     async def render_chat_async(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool
+        self, messages: list[dict[str, Any]], options: ChatRenderOptions
     ) -> dict[str, Any]:
         """``render_chat``, in a tokenizer thread for a long conversation."""
         processor = self._ready_processor()
         chars = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict))
         if chars <= INLINE_TEXT_CHARS:
-            return processor.render_chat(messages, add_generation_prompt)
-        return await self._in_tokenizer_thread(
-            processor.render_chat, messages, add_generation_prompt
-        )
+            return processor.render_chat(messages, options)
+        return await self._in_tokenizer_thread(processor.render_chat, messages, options)
 
     async def encode_async(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
         """``InputProcessor.encode`` in a tokenizer thread."""
@@ -361,6 +380,14 @@ class AsyncLLM:
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("output loop failed")
             self._mark_dead(f"output loop failed: {e!r}")
+
+    async def _stats_loop(self) -> None:
+        """The periodic stats line, from the latest step's (cumulative) stats; a step that
+        came before the line is already counted, so idle time adds no line."""
+        while True:
+            await asyncio.sleep(STATS_POLL_S)
+            if self.latest_stats is not None:
+                self.stats_logger.record(self.latest_stats)
 
     async def _next_step(self) -> StepResult:
         """The engine's next step; ``EngineDeadError`` if it exits or, with requests in

@@ -28,7 +28,8 @@ from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sc
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.gc_heap import freeze_startup_heap
-from pagedserve.model.loader import get_max_model_len
+from pagedserve.engine.input_processor import load_chat_template
+from pagedserve.model.loader import get_max_model_len, model_class_of
 from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import platform_for, resolve_device, resolve_dtype
 
@@ -61,6 +62,32 @@ def _timed(phase: str) -> Iterator[None]:
     logger.info("engine start-up: %s took %.2f s", phase, time.perf_counter() - start)
 
 
+OUT_OF_MEMORY_MARKS = ("out of memory", "can't allocate memory")
+"""How torch's allocators word a failed allocation (CUDA's ``OutOfMemoryError``, the CPU's
+``DefaultCPUAllocator``); both are ``RuntimeError``."""
+
+
+class NotEnoughMemoryError(MemoryError):
+    """The model or its KV cache does not fit at start-up; the message says what to lower."""
+
+
+@contextmanager
+def _out_of_memory_as_one_line(phase: str) -> Iterator[None]:
+    """A failed allocation during start-up ``phase`` as a ``NotEnoughMemoryError`` whose
+    message is one line, instead of the allocator's traceback."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, RuntimeError) and not any(m in first_line for m in OUT_OF_MEMORY_MARKS):
+            raise
+        raise NotEnoughMemoryError(
+            f"not enough memory to {phase}: {first_line} (lower --max-model-len, "
+            "--max-num-seqs, --gpu-memory-utilization or --kv-cache-memory, or use a smaller "
+            "model or dtype)"
+        ) from e
+
+
 def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
     """Fill ``device``, ``model.dtype`` and ``scheduler.async_scheduling`` with concrete values
     (``auto`` / None resolved once, here).
@@ -79,12 +106,17 @@ def resolve_device_and_dtype(config: EngineConfig) -> EngineConfig:
 
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, ResolvedModel]:
     """For frontends that want a bad model to fail before the engine starts: the model's files
-    and config, with ``device``, ``dtype`` and ``max_model_len`` filled in.
+    and config, with ``device``, ``dtype`` and ``max_model_len`` filled in; an architecture the
+    engine does not implement is refused here (``CheckpointError``, one line), and so is a
+    ``chat_template`` that is neither a readable file nor valid Jinja.
 
     It reads the model's config (seconds for a GGUF file), so ``EngineCore`` does not call it:
     the model runner reads that config once while loading.
     """
     resolved = resolve_model_config(config.model)
+    model_class_of(resolved)
+    if config.model.chat_template is not None:
+        load_chat_template(config.model.chat_template)
     config = resolve_device_and_dtype(config)
     max_model_len = get_max_model_len(config.model, resolved.hf_config)
     model = dataclasses.replace(config.model, max_model_len=max_model_len)
@@ -107,12 +139,12 @@ class EngineCore:
         platform_for(self.config.device).configure_process()  # CPU: thread count, allocator
         # uni / mp / ray, from config.parallel (tensor_parallel_size, distributed_executor_backend)
         self.executor = create_executor(self.config)
-        with _timed("load model"):
+        with _timed("load model"), _out_of_memory_as_one_line("load the model"):
             self.executor.load_model()
-        with _timed("size KV cache"):
+        with _timed("size KV cache"), _out_of_memory_as_one_line("allocate the KV cache"):
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(num_blocks)
-        with _timed("capture CUDA graphs"):
+        with _timed("capture CUDA graphs"), _out_of_memory_as_one_line("capture CUDA graphs"):
             self.executor.capture_graphs()  # a no-op on the CPU or with enforce_eager
         self.num_blocks = num_blocks
         model = dataclasses.replace(self.config.model, max_model_len=self.max_model_len)
@@ -129,12 +161,14 @@ class EngineCore:
         # no full collection stalls a step later (``gc_heap``).
         freeze_startup_heap(self)
         logger.info(
-            "engine ready in %.2f s: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens",
+            "engine ready in %.2f s: %s on %s (%s), max_model_len %d, KV cache of %d tokens "
+            "(%d blocks of %d)",
             time.perf_counter() - start,
             self.config.model.model,
             self.config.device,
             self.config.model.dtype,
             self.max_model_len,
+            num_blocks * self.config.cache.block_size,
             num_blocks,
             self.config.cache.block_size,
         )

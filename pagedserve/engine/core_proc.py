@@ -160,6 +160,11 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def _send_death(output_socket: zmq.Socket, reason: str) -> None:
+    with contextlib.suppress(zmq.Again):  # never block here: the API process may be gone
+        output_socket.send_multipart((DEAD, encode(reason)), flags=zmq.NOBLOCK)
+
+
 def run_engine_core(
     config: EngineConfig,
     input_addr: str,
@@ -191,11 +196,15 @@ def run_engine_core(
         EngineCoreProc(core, input_socket, output_socket, parent.sentinel if parent else None).run()
     except SystemExit:
         pass
+    except (ValueError, MemoryError) as e:  # a bad model or config, too little memory: the
+        # message names the cause; the API process prints it as one line
+        logger.debug("engine core failed", exc_info=True)
+        _send_death(output_socket, str(e))
+        exit_code = 1
     except BaseException:  # noqa: BLE001 - any failure must reach the API process
         text = traceback.format_exc()
         logger.error("engine core failed:\n%s", text)
-        with contextlib.suppress(zmq.Again):  # never block here: the API process may be gone
-            output_socket.send_multipart((DEAD, encode(text)), flags=zmq.NOBLOCK)
+        _send_death(output_socket, text)
         exit_code = 1
     finally:
         output_socket.close(linger=1000)

@@ -13,7 +13,7 @@ import json
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,99 @@ def as_conversations(messages: ChatMessages | Sequence[ChatMessages]) -> Sequenc
     """Non-empty chat input as a list of conversations: ``messages`` is one conversation (its
     items are message dicts) or already a list of them."""
     return [messages] if _is_conversation(messages) else messages
+
+
+CHAT_TEMPLATE_PARAMS = frozenset(
+    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+)
+"""``apply_chat_template``'s own parameters: not template variables of ``chat_template_kwargs``."""
+
+
+@dataclass(frozen=True)
+class ChatRenderOptions:
+    """How a conversation is rendered (the chat fields of vLLM's ``LLM.chat`` and server).
+
+    ``continue_final_message``: the reply continues the last message (an assistant prefix)
+    instead of starting a new turn, so no generation prompt is added after it.
+    ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatRenderOptions:
+        """``add_generation_prompt`` None: True unless ``continue_final_message``; both True is
+        refused (the reply cannot both continue the last turn and start a new one)."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt=true "
+                "(set add_generation_prompt to false)"
+            )
+        kwargs = {} if chat_template_kwargs is None else chat_template_kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError("chat_template_kwargs: expected a dict with string keys")
+        reserved = sorted(CHAT_TEMPLATE_PARAMS.intersection(kwargs))
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs: {reserved[0]!r} is a parameter of the chat template "
+                "call, not a template variable (use the request field of that name)"
+            )
+        generation_prompt = (
+            not continue_final_message if add_generation_prompt is None else add_generation_prompt
+        )
+        return cls(generation_prompt, continue_final_message, dict(kwargs))
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja text of ``--chat-template``: a file's contents, or ``value`` itself when it is
+    an inline template (as vLLM: a value holding ``{``, ``}`` or a newline is a template).
+    Syntax errors are refused here, at start-up, rather than at the first chat request."""
+    path = Path(value)
+    if any(c in value for c in "{}\n"):
+        text = value
+    elif path.is_file():
+        text = path.read_text()
+    else:
+        raise ValueError(
+            f"chat_template: {value!r} is neither a readable file nor an inline Jinja template"
+        )
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template: {e}") from None
+    return text
+
+
+def message_text(index: int, content: Any) -> str:
+    """A message's content as text: a string, None (an empty turn), or a list of parts of
+    which only ``{"type": "text", "text": ...}`` is supported (joined, as the server does)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(
+            f"messages[{index}].content: expected a string or a list of "
+            "{'type': 'text', 'text': ...} parts"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{index}].content[{j}]"
+        if not isinstance(part, dict) or "type" not in part:
+            raise ValueError(f"{where}: expected a dict with 'type'")
+        if part["type"] != "text":
+            raise ValueError(f"{where}.type: {part['type']!r} is not supported (only 'text')")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.text: expected a string")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 TEXT_LENGTH_SLACK = 4
@@ -101,6 +194,7 @@ class InputProcessor:
     Chat message content is text: a control token written in it (``<|im_end|>``) is tokenized
     as plain text, so a user cannot forge the template's turns; ``parse_special_tokens_in_content``
     restores the older behaviour (the whole rendered conversation parsed for control tokens).
+    ``chat_template`` (Jinja text) replaces the tokenizer's own template.
     """
 
     def __init__(
@@ -111,8 +205,10 @@ class InputProcessor:
         eos_token_id: int | None,
         extra_eos_token_ids: Sequence[int] = (),
         parse_special_tokens_in_content: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -134,16 +230,18 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         parse_special_tokens_in_content: bool = False,
+        chat_template: str | None = None,
     ) -> InputProcessor:
         """EOS from the tokenizer, extra EOS ids from the folder's generation config.
-        ``tokenizer`` None (``skip_tokenizer_init``): token-id prompts only, no text."""
+        ``tokenizer`` None (``skip_tokenizer_init``): token-id prompts only, no text.
+        ``chat_template``: ``--chat-template`` (a file or inline Jinja), or None."""
         gen_eos = generation_config_eos_ids(model_path)
         eos = None if tokenizer is None else tokenizer.eos_token_id
         if eos is None and gen_eos:
             eos = gen_eos[0]
-        return cls(
-            tokenizer, max_model_len, vocab_size, eos, gen_eos, parse_special_tokens_in_content
-        )
+        template = None if chat_template is None else load_chat_template(chat_template)
+        return cls(tokenizer, max_model_len, vocab_size, eos, gen_eos,
+                   parse_special_tokens_in_content, template)
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -187,56 +285,76 @@ class InputProcessor:
         return self.tokenizer
 
     def render_chat(
-        self, messages: ChatMessages, add_generation_prompt: bool = True
+        self, messages: ChatMessages, options: ChatRenderOptions | None = None
     ) -> dict[str, Any]:
         """Apply the chat template; returns a ``{"prompt", "prompt_token_ids"}`` prompt.
 
         The template writes its own special tokens (BOS included), so the rendered text is
         tokenized without adding any.
         """
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content'")
-            if not isinstance(message["role"], str) or not isinstance(message["content"], str):
-                raise ValueError(f"messages[{i}]: 'role' and 'content' must be strings")
+        options = ChatRenderOptions() if options is None else options
+        messages = self._text_messages(messages)
         tokenizer = self._require_tokenizer("messages")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("messages: the model's tokenizer has no chat template")
+        if self.chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("messages: the model's tokenizer has no chat template "
+                             "(give one with --chat-template)")
         for i, message in enumerate(messages):
             self.check_text(f"messages[{i}].content", message["content"])
-        text = self._apply_template(messages, add_generation_prompt)
+        text = self._apply_template(messages, options)
         self.check_text("messages", text)
         if self.parse_special_tokens_in_content or not self._has_control_tokens(messages):
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
-            ids = self._encode_content_as_text(messages, add_generation_prompt, text)
+            ids = self._encode_content_as_text(messages, options, text)
         return {"prompt": text, "prompt_token_ids": list(ids)}
 
-    def _apply_template(self, messages: ChatMessages, add_generation_prompt: bool) -> str:
+    @staticmethod
+    def _text_messages(messages: ChatMessages) -> ChatMessages:
+        """``messages`` checked, each message's content as one string (text parts joined)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
+        out = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content'")
+            if not isinstance(message["role"], str):
+                raise ValueError(f"messages[{i}].role: must be a string")
+            out.append({**message, "content": message_text(i, message["content"])})
+        return out
+
+    def _apply_template(self, messages: ChatMessages, options: ChatRenderOptions) -> str:
         """The rendered conversation; a template that refuses it (Llama 2's and Mistral's
         refuse a system turn or roles that do not alternate) gives a ValueError with its
-        message."""
+        message. ``continue_final_message`` cuts the text after the last message's content,
+        as transformers does; a template that alters that content cannot be continued."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                **options.chat_template_kwargs,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+        except ValueError as e:
+            if options.continue_final_message:
+                raise ValueError(f"continue_final_message: {e}") from None
+            raise
 
     def _has_control_tokens(self, messages: ChatMessages) -> bool:
         return any(t in m["content"] for m in messages for t in self.control_tokens)
 
     def _encode_content_as_text(
-        self, messages: ChatMessages, add_generation_prompt: bool, text: str
+        self, messages: ChatMessages, options: ChatRenderOptions, text: str
     ) -> list[int]:
         """Tokenize ``text`` (the rendered ``messages``) with control tokens parsed in the
         template's own text only: the template is rendered again with a marker for each
         message's content, and the content between the template's pieces is tokenized with
         its control tokens split into ordinary text tokens."""
         marked = [{**m, "content": _CONTENT_MARK.format(i)} for i, m in enumerate(messages)]
-        pieces = _CONTENT_MARK_RE.split(self._apply_template(marked, add_generation_prompt))
+        pieces = _CONTENT_MARK_RE.split(self._apply_template(marked, options))
         # split() alternates: template text, content index, template text, ...
         contents = [messages[int(i)]["content"] for i in pieces[1::2]]
         if "".join(p if k % 2 == 0 else contents[k // 2] for k, p in enumerate(pieces)) != text:

@@ -45,12 +45,19 @@ class CliParser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _common_args(parser: argparse.ArgumentParser) -> None:
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SERVER_COMMANDS = frozenset({"serve"})
+"""Commands that log at INFO by default, as a server does (start-up phases, the periodic
+stats line); the others keep the terminal for the model's text and log warnings only."""
+
+
+def _common_args(parser: argparse.ArgumentParser, command: str) -> None:
+    default = "info" if command in SERVER_COMMANDS else "warning"
     parser.add_argument(
         "--log-level",
-        default="warning",
-        choices=["debug", "info", "warning", "error"],
-        help="logging level on stderr (default: warning)",
+        default=default,
+        choices=LOG_LEVELS,
+        help=f"logging level on stderr (default: {default})",
     )
 
 
@@ -62,14 +69,14 @@ def _add_generate(subparsers: Any) -> None:
         action="store_true",
         help="send PROMPT as a user message through the model's chat template",
     )
-    _common_args(p)
+    _common_args(p, "generate")
     add_engine_args(p)
     add_sampling_args(p)
 
 
 def _add_chat(subparsers: Any) -> None:
     p = subparsers.add_parser("chat", help="chat with the model in the terminal (/exit to quit)")
-    _common_args(p)
+    _common_args(p, "chat")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(max_tokens=None)  # a reply runs to EOS (or the end of the context)
@@ -97,7 +104,7 @@ def build_parser(command: str | None = None) -> tuple[CliParser, Any]:
         p = subparsers.add_parser(name, help=help_text)
         if name == command:
             plugin = _load_plugin(name)
-            _common_args(p)
+            _common_args(p, name)
             if hasattr(plugin, "add_cli_args"):
                 plugin.add_cli_args(p)
             else:
@@ -105,17 +112,42 @@ def build_parser(command: str | None = None) -> tuple[CliParser, Any]:
     return parser, plugin
 
 
+def _write_stream(llm: Any, prompt: Any, params: Any, out: TextIO, pieces: list[str]) -> None:
+    """Write the completion to ``out`` as it is generated, and append each piece to ``pieces``
+    (which keeps the text so far if the stream is interrupted)."""
+    stream = llm.stream(prompt, params)
+    try:
+        for request_output in stream:
+            for completion in request_output.outputs:
+                if completion.text:
+                    pieces.append(completion.text)
+                    out.write(completion.text)
+                    out.flush()
+    finally:
+        stream.close()  # aborts the request when the reply was interrupted
+        out.write("\n")
+        out.flush()
+
+
 def _stream_reply(llm: Any, prompt: Any, params: Any, out: TextIO) -> str:
     """Write the completion to ``out`` as it is generated; returns its full text."""
     pieces: list[str] = []
-    for request_output in llm.stream(prompt, params):
-        for completion in request_output.outputs:
-            if completion.text:
-                pieces.append(completion.text)
-                out.write(completion.text)
-                out.flush()
-    out.write("\n")
-    out.flush()
+    _write_stream(llm, prompt, params, out, pieces)
+    return "".join(pieces)
+
+
+def _chat_reply(llm: Any, history: list[dict[str, str]], params: Any) -> str | None:
+    """The model's reply to ``history``, streamed to stdout; None when it was refused (the
+    reason on stderr). Ctrl-C stops the reply and returns the text written so far."""
+    pieces: list[str] = []
+    try:
+        prompt = llm.input_processor.render_chat(history)
+        _write_stream(llm, prompt, params, sys.stdout, pieces)
+    except ValueError as e:
+        print(f"{PROG} chat: {e}", file=sys.stderr)
+        return None
+    except KeyboardInterrupt:
+        print(f"{PROG} chat: reply stopped (Ctrl-D or /exit quits)", file=sys.stderr)
     return "".join(pieces)
 
 
@@ -127,7 +159,9 @@ def run_generate(args: argparse.Namespace, llm: Any, params: Any) -> None:
 
 
 def run_chat(llm: Any, params: Any, stdin: TextIO = sys.stdin) -> None:
-    """A REPL: each line is a user turn; the history is sent through the chat template."""
+    """A REPL: each line is a user turn; the history is sent through the chat template.
+    Ctrl-C during a reply stops that reply (kept in the history as far as it went); Ctrl-C
+    at the prompt, like Ctrl-D, ends the session."""
     history: list[dict[str, str]] = []
     print("Chat with the model. /exit (or Ctrl-D) quits.", file=sys.stderr)
     while True:
@@ -138,12 +172,9 @@ def run_chat(llm: Any, params: Any, stdin: TextIO = sys.stdin) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line.strip()})
-        try:
-            prompt = llm.input_processor.render_chat(history)
-            reply = _stream_reply(llm, prompt, params, sys.stdout)
-        except ValueError as e:
+        reply = _chat_reply(llm, history, params)
+        if reply is None:
             history.pop()
-            print(f"{PROG} chat: {e}", file=sys.stderr)
             continue
         history.append({"role": "assistant", "content": reply})
 
@@ -182,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return USAGE_ERROR
+    except MemoryError as e:  # the engine's NotEnoughMemoryError: one line, not a traceback
+        sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("\n")
         return 130

@@ -29,10 +29,12 @@ from pagedserve.core.request_queue import check_priority
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import (
     ChatMessages,
+    ChatRenderOptions,
     InputProcessor,
     ProcessedRequest,
     PromptType,
     as_conversations,
+    load_chat_template,
 )
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.deferred_interrupt import DeferredInterrupt
@@ -86,6 +88,9 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
+        # A bad --chat-template fails before the model loads; its text is kept.
+        chat_template = (None if config.model.chat_template is None
+                         else load_chat_template(config.model.chat_template))
         self.engine_core = EngineCore(config)
         self.config = self.engine_core.config
         # skip_tokenizer_init (vLLM's name): token-id prompts only, outputs without text.
@@ -98,6 +103,7 @@ class LLM:
             folder,
             self.engine_core.max_model_len,
             self.engine_core.vocab_size,
+            chat_template=chat_template,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -156,17 +162,26 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
-        a list of conversations, rendered with the model's chat template."""
+        a list of conversations, rendered with the chat template (``chat_template`` or the
+        tokenizer's). ``content`` is a string or a list of ``{"type": "text", "text": ...}``
+        parts; other part types are refused. ``continue_final_message``: continue the last
+        (assistant) message instead of starting a new turn; ``add_generation_prompt`` None
+        means True unless it is set. ``chat_template_kwargs``: extra template variables
+        (Qwen3's ``enable_thinking``)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
+        options = ChatRenderOptions.of(
+            add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         conversations = as_conversations(messages)
         prompts = [
-            self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c,
-                                             add_generation_prompt)
+            self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c, options)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -176,7 +191,7 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a DELTA ``RequestOutput`` (the new text and
         tokens) after every step that produced some. Closing the iterator early aborts the
-        request."""
+        request; so does Ctrl-C, delivered between steps (``DeferredInterrupt``)."""
         params = sampling_params or self.get_default_sampling_params()
         processed = self.input_processor.process_inputs(
             str(next(self._request_counter)), prompt, params
@@ -184,7 +199,9 @@ class LLM:
         self._add(processed, RequestOutputKind.DELTA)
         try:
             while self.output_processor.has_unfinished_requests():
-                yield from self._step()
+                with DeferredInterrupt() as interrupt, interrupt.step():
+                    outputs = self._step()
+                yield from outputs
         finally:
             self._abort([processed.request_id])
 

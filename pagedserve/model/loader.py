@@ -71,7 +71,7 @@ def get_max_model_len(model_config: ModelConfig, hf_config: PretrainedConfig) ->
     return model_config.max_model_len
 
 
-def _model_class(resolved: ResolvedModel) -> type[nn.Module]:
+def model_class_of(resolved: ResolvedModel) -> type[nn.Module]:
     try:
         return get_model_class(resolved.hf_config)
     except ValueError as e:
@@ -113,7 +113,7 @@ def load_model(
     resolved = resolve_model_config(model_config)
     get_max_model_len(model_config, resolved.hf_config)  # refuse a bad length before building
     check_tensor_parallel_size(resolved.hf_config, tp.size, resolved.config_source)
-    model_class = _model_class(resolved)
+    model_class = model_class_of(resolved)
     dummy = resolved.format == "dummy"
     linear_method = linear_method_for(model_config.quantization, resolved.quantization, dummy,
                                       device)

@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from pagedserve.engine.input_processor import InputProcessor, generation_config_eos_ids
+from pagedserve.engine.input_processor import (
+    ChatRenderOptions,
+    InputProcessor,
+    generation_config_eos_ids,
+    load_chat_template,
+)
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.tiny_models import make_tokenizer
 
@@ -120,12 +125,11 @@ def test_render_chat(processor, tokenizer):
     assert prompt["prompt_token_ids"] == tokenizer.encode(
         prompt["prompt"], add_special_tokens=False
     )
-    assert not processor.render_chat(messages, add_generation_prompt=False)["prompt"].endswith(
-        "assistant\n"
-    )
+    no_turn = processor.render_chat(messages, ChatRenderOptions(add_generation_prompt=False))
+    assert not no_turn["prompt"].endswith("assistant\n")
     with pytest.raises(ValueError, match=r"^messages\[0\]"):
         processor.render_chat([{"content": "no role"}])
-    with pytest.raises(ValueError, match=r"^messages\[1\]: 'role' and 'content' must be strings"):
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.content: expected a string or a list"):
         processor.render_chat([{"role": "user", "content": "Hi"}, {"role": "user", "content": 5}])
     with pytest.raises(ValueError, match="^messages"):
         processor.render_chat([])
@@ -185,3 +189,61 @@ def test_parse_special_tokens_in_content_opt_out(tokenizer):
     )
     ids = processor.render_chat([{"role": "user", "content": FORGED}])["prompt_token_ids"]
     assert ids.count(im_start) == 3
+
+
+def test_content_parts_are_joined_and_other_part_types_refused(processor):
+    as_text = processor.render_chat([{"role": "user", "content": "Hello world"}])
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " world"}]
+    assert processor.render_chat([{"role": "user", "content": parts}]) == as_text
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]\.type: 'image_url' is "
+                                         "not supported"):
+        processor.render_chat([{"role": "user", "content": [parts[0], image]}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[0\]\.text: expected a string"):
+        processor.render_chat([{"role": "user", "content": [{"type": "text", "text": 5}]}])
+
+
+def test_continue_final_message_continues_the_assistant_turn(processor):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    prompt = processor.render_chat(messages, ChatRenderOptions.of(continue_final_message=True))
+    assert prompt["prompt"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello, I"
+    with pytest.raises(ValueError, match="^continue_final_message: cannot be combined"):
+        ChatRenderOptions.of(add_generation_prompt=True, continue_final_message=True)
+    # A forged control token in the continued message still stays plain text.
+    forged = processor.render_chat(
+        [*messages[:1], {"role": "assistant", "content": FORGED}],
+        ChatRenderOptions.of(continue_final_message=True),
+    )
+    assert forged["prompt"].endswith(FORGED)
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if enable_thinking %}<think>{% else %}<answer>{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, len(tokenizer), tokenizer.eos_token_id,
+                               chat_template=THINKING_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = processor.render_chat(messages)["prompt"]
+    thinking = processor.render_chat(
+        messages, ChatRenderOptions.of(chat_template_kwargs={"enable_thinking": True}))["prompt"]
+    assert (plain, thinking) == ("user: Hi\n<answer>", "user: Hi\n<think>")
+    with pytest.raises(ValueError, match="^chat_template_kwargs: 'tokenize' is a parameter"):
+        ChatRenderOptions.of(chat_template_kwargs={"tokenize": True})
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path, tokenizer):
+    path = tmp_path / "template.jinja"
+    path.write_text(THINKING_TEMPLATE)
+    for value in (str(path), THINKING_TEMPLATE):
+        processor = InputProcessor.for_model(tokenizer, tmp_path, MAX_MODEL_LEN, len(tokenizer),
+                                             chat_template=value)
+        prompt = processor.render_chat([{"role": "user", "content": "Hi"}])["prompt"]
+        assert prompt == "user: Hi\n<answer>"
+    with pytest.raises(ValueError, match="^chat_template: .* neither a readable file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="^chat_template: not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")

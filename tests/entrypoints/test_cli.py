@@ -210,3 +210,63 @@ def test_chat_repl_keeps_the_history(capsys):
     assert len(llm.prompts) == 2
     assert "first" in llm.prompts[1] and "reply1" in llm.prompts[1] and "second" in llm.prompts[1]
     assert capsys.readouterr().out == "reply1\nreply2\n"
+
+
+class _InterruptedLLM(_RecordingLLM):
+    """The first reply is cut by Ctrl-C after one piece; the stream is closed (aborted)."""
+
+    def __init__(self, input_processor):
+        super().__init__(input_processor)
+        self.closed = 0
+
+    def stream(self, prompt, params):
+        from pagedserve.outputs import CompletionOutput, RequestOutput
+
+        self.prompts.append(prompt["prompt"])
+        try:
+            yield RequestOutput("r", prompt["prompt"], [],
+                                [CompletionOutput(0, "part", [1], None, None, None)], False)
+            if len(self.prompts) == 1:
+                raise KeyboardInterrupt
+            yield RequestOutput("r", prompt["prompt"], [],
+                                [CompletionOutput(0, "whole", [1], None, None, "stop")], True)
+        finally:
+            self.closed += 1
+
+
+def test_chat_ctrl_c_stops_the_reply_not_the_session(capsys):
+    from pagedserve.engine.input_processor import InputProcessor
+    from tests.engine.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    llm = _InterruptedLLM(InputProcessor(tokenizer, 512, len(tokenizer), tokenizer.eos_token_id))
+    cli.run_chat(llm, SamplingParams(), stdin=io.StringIO("first\nsecond\n/exit\n"))
+    assert len(llm.prompts) == 2 and llm.closed == 2
+    # The session went on, with the interrupted reply in its history as far as it went.
+    assert "first" in llm.prompts[1] and "part" in llm.prompts[1] and "second" in llm.prompts[1]
+    captured = capsys.readouterr()
+    assert captured.out == "part\npartwhole\n"
+    assert "reply stopped" in captured.err
+
+
+def test_unsupported_architecture_is_one_line_before_serving(tmp_path, capsys):
+    import json
+
+    from tests.engine.tiny_models import save_checkpoint
+
+    folder, _, _ = save_checkpoint("llama", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    assert cli.main(["serve", str(folder), "--port", "0"]) == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "serving" not in err
+    assert err.startswith("pagedserve serve: error: ") and "'FooForCausalLM' is not supported" in err
+
+
+def test_serve_logs_at_info_by_default_and_generate_does_not():
+    for command, level in (("serve", "info"), ("generate", "warning"), ("chat", "warning")):
+        parser, _ = cli.build_parser(command)
+        argv = [command, "x"] if command == "generate" else [command]
+        assert parser.parse_args(argv).log_level == level

@@ -81,6 +81,37 @@ def test_chat(tiny):
     assert not llm.engine_core.has_unfinished_requests()
 
 
+def test_chat_content_parts_and_continue_final_message(tiny):
+    llm, _ = tiny
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text",
+                                                                        "text": "i"}]}]
+    (as_parts,) = llm.chat(parts, GREEDY, use_tqdm=False)
+    (as_text,) = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False)
+    assert as_parts.prompt == as_text.prompt
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[0\]\.type: 'image_url'"):
+        llm.chat(image, GREEDY, use_tqdm=False)
+    prefix = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    (continued,) = llm.chat(prefix, GREEDY, use_tqdm=False, continue_final_message=True)
+    assert continued.prompt.endswith("assistant\nHello") and continued.outputs[0].token_ids
+
+
+def test_chat_template_and_its_kwargs(tmp_path):
+    folder, _, _ = save_checkpoint("llama", tmp_path)
+    template = tmp_path / "thinking.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                        "{% if enable_thinking %} think{% endif %}")
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=64, num_gpu_blocks_override=16,
+              chat_template=str(template))
+    conversation = [{"role": "user", "content": "Hi"}]
+    (plain,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    (thinking,) = llm.chat(conversation, GREEDY, use_tqdm=False,
+                           chat_template_kwargs={"enable_thinking": True})
+    assert (plain.prompt, thinking.prompt) == ("Hi", "Hi think")
+    with pytest.raises(ValueError, match="^chat_template: .* neither a readable file"):
+        LLM(model=str(folder), chat_template=str(tmp_path / "missing.jinja"))
+
+
 def test_bad_input_runs_nothing(tiny):
     llm, _ = tiny
     with pytest.raises(ValueError, match="^sampling_params"):

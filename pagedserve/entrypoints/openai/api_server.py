@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -228,6 +229,20 @@ class _Server(uvicorn.Server):
         self.engine = engine
         self.drain_timeout = drain_timeout
         self.fatal_reason: str | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's: the first signal shuts down gracefully, a second SIGINT forces the exit;
+        each says so on stderr, and the forced one also cuts the engine's drain."""
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            print(f"pagedserve serve: shutting down: {self.engine.num_in_flight} request(s) "
+                  f"in flight get up to {self.drain_timeout:g} s to finish; press Ctrl-C "
+                  "again to exit at once", file=sys.stderr)
+        elif self.force_exit:
+            print("pagedserve serve: exiting at once; the requests in flight are cut",
+                  file=sys.stderr)
+            self.engine.cut_drain()
 
     def stop_fatally(self, reason: str) -> None:
         self.fatal_reason = reason

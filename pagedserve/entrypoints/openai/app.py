@@ -22,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
+from pagedserve.engine.input_processor import ChatRenderOptions
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedserve.entrypoints.openai.http_guards import DEFAULT_BODY_TIMEOUT_S, RequestGuard
@@ -103,10 +104,10 @@ def _lifespan(engine: AsyncLLM, settings: ServerSettings) -> Callable:
             try:
                 await engine.start()
             except Exception as e:  # the engine process failed to load the model
-                logger.error("engine failed to start: %s", e)
+                logger.debug("engine failed to start: %s", e)  # main() prints it
                 settings.on_fatal(str(e))
                 return
-            logger.warning(
+            logger.info(
                 "engine ready: serving %s (max_model_len %d)",
                 settings.served_model_names[0],
                 engine.max_model_len,
@@ -235,5 +236,6 @@ async def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
     if request.prompt is not None:
         return await engine.encode_async("prompt", request.prompt, request.add_special_tokens)
     messages = [m.chat_dict() for m in request.messages or []]
-    rendered = await engine.render_chat_async(messages, request.add_generation_prompt)
+    rendered = await engine.render_chat_async(
+        messages, ChatRenderOptions(request.add_generation_prompt))
     return rendered["prompt_token_ids"]

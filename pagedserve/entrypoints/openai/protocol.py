@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedserve.engine.input_processor import check_unicode
+from pagedserve.engine.input_processor import ChatRenderOptions, check_unicode
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
 from pagedserve.sampling_params import MAX_TEMPERATURE, SamplingParams
@@ -272,10 +272,21 @@ class ChatCompletionRequest(SamplingFields):
         json_schema_extra=_or_null,
     )
     add_generation_prompt: bool = Field(True, json_schema_extra=_or_null)
+    continue_final_message: bool = Field(
+        False, description="Continue the last (assistant) message instead of starting a new "
+        "turn; the generation prompt is then not added.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra chat template variables (Qwen3's enable_thinking).")
 
     def chat_dicts(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them."""
         return [m.chat_dict() for m in self.messages]
+
+    def chat_options(self) -> ChatRenderOptions:
+        """add_generation_prompt left unset follows continue_final_message."""
+        given = "add_generation_prompt" in self.model_fields_set
+        return ChatRenderOptions.of(self.add_generation_prompt if given else None,
+                                    self.continue_final_message, self.chat_template_kwargs)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -63,7 +63,7 @@ class OpenAIServingChat:
         with engine_errors(names):
             params = request.to_sampling_params()
             prompt = await self.engine.render_chat_async(
-                request.chat_dicts(), request.add_generation_prompt
+                request.chat_dicts(), request.chat_options()
             )
             processed = await self.engine.process_inputs_async(
                 prompt, params, request_id, request.priority

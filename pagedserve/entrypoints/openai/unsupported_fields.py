@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict
 
 _TOOLS = "tool calling is not implemented yet"
 _BEAM = "beam search is not implemented"
-_TEMPLATE = "the server renders the model's own chat template"
+_TEMPLATE = "the chat template is the server's own (--chat-template)"
+_CHAT_ONLY = "a chat completions field"
 _MULTIMODAL = "the models served are text-only"
 
 UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -52,9 +53,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "bad_words": "",
     "spaces_between_special_tokens": "",
     "add_special_tokens": "",
-    "continue_final_message": "",
+    "continue_final_message": _CHAT_ONLY,  # implemented on chat completions
     "chat_template": _TEMPLATE,
-    "chat_template_kwargs": _TEMPLATE,
+    "chat_template_kwargs": _CHAT_ONLY,  # implemented on chat completions
     "documents": _TEMPLATE,
     "mm_processor_kwargs": _MULTIMODAL,
     "media_io_kwargs": _MULTIMODAL,

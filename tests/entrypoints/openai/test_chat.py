@@ -128,3 +128,32 @@ def test_chat_echo_prepends_the_assistant_prefix(client: openai.OpenAI, model_na
         extra_body={**NO_EOS, "echo": True},
     )
     assert echoed.choices[0].message.content == "Hi" + plain.choices[0].message.content
+
+
+def test_continue_final_message_and_chat_template_kwargs(
+    client: openai.OpenAI, model_name: str
+) -> None:
+    messages = [{"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "The capital of France"}]
+
+    def create(**extra):
+        return client.chat.completions.create(
+            model=model_name, messages=messages, temperature=0.0, max_completion_tokens=4,
+            extra_body={**NO_EOS, **extra})
+
+    new_turn = create()
+    continued = create(continue_final_message=True)
+    assert continued.choices[0].message.content  # the reply continues the prefix
+    # No end of the assistant turn and no new generation prompt after the prefix.
+    assert continued.usage.prompt_tokens < new_turn.usage.prompt_tokens
+    # A variable the template does not read renders the same prompt.
+    assert create(chat_template_kwargs={"enable_thinking": False}).usage.prompt_tokens == (
+        new_turn.usage.prompt_tokens)
+    for bad in ({"continue_final_message": True, "add_generation_prompt": True},
+                {"chat_template_kwargs": {"tokenize": True}}):
+        try:
+            create(**bad)
+        except openai.BadRequestError as e:
+            assert next(iter(bad)) in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")

@@ -86,12 +86,14 @@ SAMPLES: dict[str, Any] = {
 
 SERVER_CHECKED = {
     ChatCompletionRequest: {"model", "messages", "stream", "stream_options", "user", "timeout",
-                            "priority", "echo", "add_generation_prompt"},
+                            "priority", "echo", "add_generation_prompt",
+                            "continue_final_message", "chat_template_kwargs"},
     CompletionRequest: {"model", "prompt", "stream", "stream_options", "user", "timeout",
                         "priority", "echo"},
 }
 """Declared fields that SamplingParams does not carry: each is exercised through the server
-below (``user``, OpenAI's end-user id for its abuse monitoring, is accepted with no effect)."""
+below or, for the chat template's options, in test_chat.py (``user``, OpenAI's end-user id for
+its abuse monitoring, is accepted with no effect)."""
 
 WALKS = [
     (ChatCompletionRequest, "/v1/chat/completions", OPENAI_CHAT | VLLM_CHAT_EXTRAS),
