@@ -42,6 +42,11 @@ class CliParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
+        if "required: prompt" in message:
+            # An option taking several values (--stop, --stop-token-ids) before the prompt
+            # takes the prompt as one of its values.
+            message += ("; an option that takes several values (--stop S ...) takes everything "
+                        "up to the next option: put the prompt first")
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
 
 

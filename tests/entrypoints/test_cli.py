@@ -270,3 +270,13 @@ def test_serve_logs_at_info_by_default_and_generate_does_not():
         parser, _ = cli.build_parser(command)
         argv = [command, "x"] if command == "generate" else [command]
         assert parser.parse_args(argv).log_level == level
+
+
+def test_prompt_taken_by_a_list_option_is_explained(capsys) -> None:
+    """``--stop "." "prompt"``: argparse gives the prompt to --stop; the one-line error says
+    why and what to do."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--stop", ".", "The capital of France is"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: prompt" in err and "put the prompt first" in err

@@ -331,8 +331,10 @@ def main(args: argparse.Namespace) -> int:
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at
     # start: make that one a no-op so a SIGTERM-ed server exits 0 instead of dying of it.
     signal.signal(signal.SIGTERM, _ignore_signal)
+    port = sock.getsockname()[1]  # the one the system chose for --port 0
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(
-        f"pagedserve: serving {name!r} on http://{args.host}:{args.port} "
+        f"pagedserve: serving {name!r} on http://{host}:{port} "
         "(the model is loading; GET /health answers 200 once it is ready)",
         file=sys.stderr,
     )

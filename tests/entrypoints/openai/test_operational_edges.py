@@ -51,3 +51,25 @@ def test_metrics_show_no_model_path(server: ServerProcess, tiny_model_dir: Path)
     metric_value(server.url, "pagedserve:num_requests_running")  # the series exists
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert str(tiny_model_dir) not in text and f'model_name="{tiny_model_dir.name}"' in text
+
+
+def test_port_zero_banner_names_the_chosen_port(tiny_model_dir: Path):
+    """``--port 0`` lets the system choose; the banner gives the port it chose, which answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(tiny_model_dir),
+         "--port", "0", "--dtype", "float32"],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        banner = ""
+        while "serving" not in banner and time.monotonic() < deadline:
+            banner = proc.stderr.readline()
+        url = banner.split(" on ", 1)[1].split()[0]
+        port = int(url.rsplit(":", 1)[1])
+        assert port != 0, banner
+        assert httpx.get(f"{url}/version", timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
