@@ -7,6 +7,7 @@ vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
@@ -134,18 +135,26 @@ class SamplingFields(StructuredOutputFields):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+        defaults: Mapping[str, Any],
     ) -> SamplingParams:
+        """``defaults``: the model's generation_config values (``default_sampling_values``)
+        for the fields the request leaves unset; then the engine's own defaults."""
+
+        def given(name: str, engine_default: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, engine_default) if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -212,10 +221,15 @@ class CompletionRequest(SamplingFields):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``defaults``: the model's default sampling values, for the fields left unset."""
+        defaults = defaults or {}
         # echo with logprobs also reports the prompt tokens' logprobs, as the legacy API does.
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set:
+            max_tokens = defaults.get("max_tokens", max_tokens)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class TextPart(RequestBody):
@@ -288,7 +302,9 @@ class ChatCompletionRequest(SamplingFields):
         return ChatRenderOptions.of(self.add_generation_prompt if given else None,
                                     self.continue_final_message, self.chat_template_kwargs)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``defaults``: the model's default sampling values, for the fields left unset."""
+        defaults = defaults or {}
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -297,7 +313,9 @@ class ChatCompletionRequest(SamplingFields):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return self._sampling_params(max_tokens, logprobs, None)
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        return self._sampling_params(max_tokens, logprobs, None, defaults)
 
 
 class TokenizeRequest(RequestBody):

@@ -41,6 +41,7 @@ from pagedserve.entrypoints.openai.serving_common import (
     stream_error,
     submit_all,
 )
+from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutputKind
 
 
@@ -51,6 +52,9 @@ class OpenAIServingChat:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits
+        # The model's generation_config.json values, for the fields a request leaves unset.
+        self.default_sampling = default_sampling_values(engine.config.model.generation_config,
+                                                        engine.model_path)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw: Request
@@ -61,7 +65,7 @@ class OpenAIServingChat:
         # The engine says max_tokens; the client may have sent max_completion_tokens.
         names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
         with engine_errors(names):
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.default_sampling)
             prompt = await self.engine.render_chat_async(
                 request.chat_dicts(), request.chat_options()
             )

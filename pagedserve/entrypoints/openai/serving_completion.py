@@ -39,6 +39,7 @@ from pagedserve.entrypoints.openai.serving_common import (
     stream_error,
     submit_all,
 )
+from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 
 
@@ -49,13 +50,16 @@ class OpenAIServingCompletion:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits
+        # The model's generation_config.json values, for the fields a request leaves unset.
+        self.default_sampling = default_sampling_values(engine.config.model.generation_config,
+                                                        engine.model_path)
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
         request_id = random_id("cmpl")
         self.limits.check_completion(request)
         with engine_errors():
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.default_sampling)
             processed = [
                 await self.engine.process_inputs_async(
                     prompt, params, f"{request_id}-{i}", request.priority

@@ -73,3 +73,32 @@ def test_port_zero_banner_names_the_chosen_port(tiny_model_dir: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_generation_config_gives_the_defaults_of_unset_fields(tiny_model_dir: Path,
+                                                              tmp_path: Path):
+    """A model folder's generation_config.json (max_new_tokens 3, temperature 0): a request
+    that sets neither gets 3 greedy tokens; one that sets max_tokens gets its own count."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    server = ServerProcess(folder, tmp_path / "server.log", "--api-key", AUTH["Authorization"][7:])
+    try:
+        server.wait_ready()
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+            def complete(**fields: object) -> dict:
+                response = http.post("/v1/completions", json={"prompt": "Hello", **fields,
+                                                             "ignore_eos": True})
+                assert response.status_code == 200, response.text
+                return response.json()
+
+            first, second = complete(), complete()
+            assert first["usage"]["completion_tokens"] == 3
+            assert first["choices"][0]["text"] == second["choices"][0]["text"]  # greedy
+            assert complete(max_tokens=5)["usage"]["completion_tokens"] == 5
+    finally:
+        server.stop()

@@ -225,3 +225,15 @@ def test_openapi_schema_forbids_undeclared_fields(server: ServerProcess) -> None
     assert "priority" in schemas["ChatCompletionRequest"]["properties"]
     assert "tool" not in schemas["ChatMessage"]["properties"]["role"]["enum"]
     assert httpx.get(f"{server.url}/docs", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize("cls", [ChatCompletionRequest, CompletionRequest])
+def test_generation_config_defaults_fill_unset_fields(cls: type[SamplingFields]) -> None:
+    """The model's generation_config.json values apply to the fields a request leaves unset;
+    a field the request sets wins (vLLM's --generation-config auto)."""
+    defaults = {"temperature": 0.25, "top_p": 0.5, "top_k": 7, "max_tokens": 9}
+    unset = cls.model_validate(_base(cls)).to_sampling_params(defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.25, 0.5, 7, 9)
+    body = {**_base(cls), "temperature": 1.5, "max_tokens": 3}
+    given = cls.model_validate(body).to_sampling_params(defaults)
+    assert (given.temperature, given.top_p, given.max_tokens) == (1.5, 0.5, 3)
