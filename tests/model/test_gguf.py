@@ -80,8 +80,9 @@ def gguf_tensor(arch: str, name: str, value: np.ndarray, config) -> np.ndarray:
     return value
 
 
-def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], config, qtype: QType) -> None:
-    """Write ``state`` (HF names) as a GGUF file; 2-D tensors in ``qtype``, 1-D ones in F32."""
+def gguf_writer(path: Path, arch: str, config) -> gguf.GGUFWriter:
+    """A GGUF writer holding ``config``'s metadata, as llama.cpp's converter writes it (a
+    token list of placeholder names); tensors are added by the caller, then ``finish``."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -99,15 +100,25 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], config, qt
     writer.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], config, qtype: QType) -> None:
+    """Write ``state`` (HF names) as a GGUF file; 2-D tensors in ``qtype``, 1-D ones in F32."""
+    writer = gguf_writer(path, arch, config)
     for name, tensor in state.items():
         value = gguf_tensor(arch, name, tensor.float().numpy(), config)
         tensor_type = qtype if value.ndim == 2 else QType.F32
         data = quantize(value, tensor_type)
         writer.add_tensor(gguf_name(name), data, raw_dtype=tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def quantize(value: np.ndarray, qtype: QType) -> np.ndarray:
@@ -214,10 +225,7 @@ def test_unsupported_gguf_architecture_names_file(tmp_path: Path) -> None:
     path = tmp_path / "phi.gguf"
     writer = gguf.GGUFWriter(path, "phi2")
     writer.add_block_count(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match=r"phi\.gguf.*'phi2' is not supported"):
         resolve_model(str(path))
 
@@ -245,10 +253,7 @@ def _write_metadata_sample(path: Path) -> None:
     for name, qtype in (("a.weight", QType.F32), ("b.weight", QType.Q8_0), ("c.weight", QType.F16)):
         value = rng.standard_normal((4, 64)).astype(np.float32)
         writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def test_gguf_file_reads_what_gguf_reader_reads(tmp_path: Path) -> None:

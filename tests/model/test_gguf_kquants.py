@@ -23,7 +23,7 @@ from pagedserve.model.checkpoint import iterate_weights
 from pagedserve.model.loader import load_model
 from pagedserve.model.resolve import resolve_model
 from tests.model.paged_harness import greedy_generate
-from tests.model.test_gguf import gguf_name, gguf_tensor
+from tests.model.test_gguf import finish, gguf_name, gguf_tensor, gguf_writer
 
 KQUANT_TINY = dict(  # rows of 256 and 512 weights: whole K-quant super-blocks
     vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -57,20 +57,7 @@ def write_random_gguf(path: Path, config: LlamaConfig, state: dict, qtype: QType
     """A llama GGUF file of ``state``'s names and shapes: 2-D tensors random ``qtype`` blocks
     (the token embedding Q6_K, as llama.cpp's mixes often store it), 1-D ones F32 values."""
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_token_list([f"tok{i}" for i in range(config.vocab_size)])
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
+    writer = gguf_writer(path, "llama", config)
     for name, tensor in state.items():
         if tensor.dim() == 1:
             value = gguf_tensor("llama", name, tensor.float().numpy(), config)
@@ -79,10 +66,7 @@ def write_random_gguf(path: Path, config: LlamaConfig, state: dict, qtype: QType
         tensor_type = QType.Q6_K if "embed_tokens" in name else qtype
         data = random_blocks(tuple(tensor.shape), tensor_type, rng)
         writer.add_tensor(gguf_name(name), data, raw_dtype=tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def _tiny_gguf(tmp_path: Path, qtype: QType) -> Path:
