@@ -90,7 +90,7 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.weights_bytes = 0
         self.cpu_kv_budget: int | None = None
-        """The CPU KV cache's byte budget, decided once while loading (``_fit_cpu_context``)."""
+        """The CPU KV cache's default byte budget, decided once (``_cpu_kv_budget``)."""
         self.compiled_forward: CompiledForward | None = None
 
     # ---- start-up -------------------------------------------------------------------------
@@ -158,14 +158,22 @@ class ModelRunner:
     def _fit_cpu_context(self, max_model_len: int) -> int:
         """On the CPU the KV budget is known before anything is sized: shorten a context that
         one request could not hold (the buffers below are sized from the result)."""
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
+        if self.config.cache.num_gpu_blocks_override is not None:
             return max_model_len
         per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
                                                 self.kv_cache_dtype)
-        self.cpu_kv_budget = kv_cache.cpu_kv_budget(cache.kv_cache_memory)
-        return kv_cache.fit_max_model_len(max_model_len, self.cpu_kv_budget, per_block,
+        return kv_cache.fit_max_model_len(max_model_len, self._cpu_kv_budget(), per_block,
                                           self.block_size)
+
+    def _cpu_kv_budget(self) -> int:
+        """``kv_cache_memory`` when set; else the default budget, decided once (it follows the
+        memory available, which the engine's own allocations then change)."""
+        memory = self.config.cache.kv_cache_memory
+        if memory is not None:
+            return memory
+        if self.cpu_kv_budget is None:
+            self.cpu_kv_budget = kv_cache.cpu_kv_budget(None)
+        return self.cpu_kv_budget
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -178,9 +186,7 @@ class ModelRunner:
             profile = profiler.measure(self, self.compiled_forward, self.graphs)
             budget = profile.log_kv_budget(cache.gpu_memory_utilization)
         else:
-            budget = (self.cpu_kv_budget if cache.kv_cache_memory is None
-                      and self.cpu_kv_budget is not None
-                      else kv_cache.cpu_kv_budget(cache.kv_cache_memory))
+            budget = self._cpu_kv_budget()
         per_block = kv_cache.kv_bytes_per_block(self.attn_layers, self.block_size,
                                                 self.kv_cache_dtype)
         max_blocks = kv_cache.max_useful_blocks(self.max_num_reqs, self.max_model_len,
