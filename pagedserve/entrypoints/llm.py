@@ -209,7 +209,8 @@ class LLM:
         """Queue one prompt without running it and return its request id; ``step`` runs it.
         For callers that drive the engine step by step (profilers, step timers)."""
         processed = self.input_processor.process_inputs(
-            str(next(self._request_counter)), prompt, sampling_params or SamplingParams()
+            str(next(self._request_counter)), prompt,
+            sampling_params or self.get_default_sampling_params()
         )
         self._add(processed, RequestOutputKind.FINAL_ONLY)
         return processed.request_id
