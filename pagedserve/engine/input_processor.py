@@ -55,11 +55,14 @@ class ChatRenderOptions:
     ``continue_final_message``: the reply continues the last message (an assistant prefix)
     instead of starting a new turn, so no generation prompt is added after it.
     ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``).
+    ``tools``: function definitions in OpenAI's shape (``{"type": "function", "function":
+    {...}}``), given to the template as transformers' ``apply_chat_template(tools=...)`` does.
     """
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(
@@ -67,6 +70,7 @@ class ChatRenderOptions:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ChatRenderOptions:
         """``add_generation_prompt`` None: True unless ``continue_final_message``; both True is
         refused (the reply cannot both continue the last turn and start a new one)."""
@@ -87,7 +91,11 @@ class ChatRenderOptions:
         generation_prompt = (
             not continue_final_message if add_generation_prompt is None else add_generation_prompt
         )
-        return cls(generation_prompt, continue_final_message, dict(kwargs))
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise ValueError("tools: expected a list of function definitions (dicts)")
+        return cls(generation_prompt, continue_final_message, dict(kwargs), tools)
 
 
 def load_chat_template(value: str) -> str:
@@ -131,6 +139,28 @@ def message_text(index: int, content: Any) -> str:
             raise ValueError(f"{where}.text: expected a string")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def template_tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's
+    ``function.arguments`` as an object, not JSON text (as vLLM passes them)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls: expected a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ValueError(f"messages[{index}].tool_calls[{j}]: expected a dict with "
+                             "'function'")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise ValueError(f"messages[{index}].tool_calls[{j}].function.arguments: not "
+                                 "valid JSON") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 TEXT_LENGTH_SLACK = 4
@@ -315,11 +345,16 @@ class InputProcessor:
             raise ValueError("messages: expected a non-empty list of {'role', 'content'} dicts")
         out = []
         for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content'")
+            if not isinstance(message, dict) or "role" not in message or (
+                "content" not in message and "tool_calls" not in message
+            ):
+                raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content' "
+                                 "(or 'tool_calls')")
             if not isinstance(message["role"], str):
                 raise ValueError(f"messages[{i}].role: must be a string")
-            out.append({**message, "content": message_text(i, message["content"])})
+            out.append({**message, "content": message_text(i, message.get("content"))})
+            if message.get("tool_calls"):
+                out[-1]["tool_calls"] = template_tool_calls(i, message["tool_calls"])
         return out
 
     def _apply_template(self, messages: ChatMessages, options: ChatRenderOptions) -> str:
@@ -334,6 +369,7 @@ class InputProcessor:
                 tokenize=False,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
+                tools=options.tools,
                 **options.chat_template_kwargs,
             )
         except jinja2.TemplateError as e:

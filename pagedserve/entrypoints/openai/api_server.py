@@ -23,6 +23,10 @@ import uvicorn
 from pagedserve.config import ModelConfig
 from pagedserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.entrypoints.openai.chat_output import (
+    add_output_parsing_args,
+    output_parsing_from_args,
+)
 from pagedserve.entrypoints.openai.http_guards import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -84,6 +88,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_request_limit_args(group)
     _add_connection_args(group)
+    add_output_parsing_args(group)
     group.add_argument(
         "--allowed-hosts",
         default=None,
@@ -269,6 +274,7 @@ def main(args: argparse.Namespace) -> int:
     from pagedserve.model.tokenizer import get_tokenizer
 
     _model_from_args(args)
+    output_parsing = output_parsing_from_args(args)
     if args.api_key is None and not is_loopback(args.host):
         print(
             f"pagedserve serve: warning: listening on {args.host} without --api-key: anyone "
@@ -314,6 +320,7 @@ def main(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         allowed_hosts=allowed_hosts_from_args(args),
         on_fatal=on_fatal,
+        output_parsing=output_parsing,
     )
     app = build_app(engine, metrics, settings)
     uv_config = uvicorn.Config(

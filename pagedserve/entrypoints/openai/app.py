@@ -24,6 +24,7 @@ import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
 from pagedserve.engine.input_processor import ChatRenderOptions
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
+from pagedserve.entrypoints.openai.chat_output import OutputParsing
 from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedserve.entrypoints.openai.http_guards import DEFAULT_BODY_TIMEOUT_S, RequestGuard
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -74,6 +75,8 @@ class ServerSettings:
     """``Host`` names answered (without the port); None: any."""
     on_fatal: Callable[[str], None] = field(default=lambda reason: None)
     """Called when the engine fails to start: the server should exit."""
+    output_parsing: OutputParsing = field(default_factory=OutputParsing)
+    """Tool-call and reasoning parsers of chat completions."""
 
 
 _BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
@@ -173,7 +176,7 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     router = APIRouter()
     names = settings.served_model_names
     completions = OpenAIServingCompletion(engine, names, settings.limits)
-    chat = OpenAIServingChat(engine, names, settings.limits)
+    chat = OpenAIServingChat(engine, names, settings.limits, settings.output_parsing)
 
     @router.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -15,8 +15,10 @@ from pydantic_core import PydanticCustomError
 
 from pagedserve.engine.input_processor import ChatRenderOptions, check_unicode
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
+from pagedserve.entrypoints.openai.tools_protocol import MessageToolCall, ToolFields
 from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
 from pagedserve.sampling_params import MAX_TEMPERATURE, SamplingParams
+from pagedserve.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -238,25 +240,33 @@ class TextPart(RequestBody):
 
 
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="An assistant turn's calls (their arguments reach the chat template "
+        "as objects).")
+    tool_call_id: str | None = Field(None, description="A tool turn: the call it answers.")
 
-    @field_validator("role", mode="before")
-    @classmethod
-    def _refuse_tool_role(cls, role: object) -> object:
-        if role == "tool":
-            raise PydanticCustomError(
-                "unsupported_value", "'tool' is not supported (tool calling is not implemented yet)"
-            )
-        return role
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only an assistant message has tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise PydanticCustomError("tool_call_id_role",
+                                      "a tool message has a tool_call_id, and only it")
+        return self
 
-    def chat_dict(self) -> dict[str, str]:
+    def chat_dict(self) -> dict[str, Any]:
         """The message as the chat template reads it (``name`` kept for templates that show
         it, as vLLM does)."""
-        message = {"role": self.role, "content": self.text()}
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def text(self) -> str:
@@ -267,7 +277,7 @@ class ChatMessage(RequestBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(ToolFields, SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -292,7 +302,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra chat template variables (Qwen3's enable_thinking).")
 
-    def chat_dicts(self) -> list[dict[str, str]]:
+    def chat_dicts(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them."""
         return [m.chat_dict() for m in self.messages]
 
@@ -300,7 +310,19 @@ class ChatCompletionRequest(SamplingFields):
         """add_generation_prompt left unset follows continue_final_message."""
         given = "add_generation_prompt" in self.model_fields_set
         return ChatRenderOptions.of(self.add_generation_prompt if given else None,
-                                    self.continue_final_message, self.chat_template_kwargs)
+                                    self.continue_final_message, self.chat_template_kwargs,
+                                    self.template_tools())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``tool_choice``'s constraint, or the one the request's structured-output fields
+        set; not both."""
+        tool_constraint = self.tool_constraint()
+        given = super().structured_outputs_params()
+        if tool_constraint is not None and given is not None:
+            raise ValueError("tool_choice: 'required' or a named function constrains the "
+                             "output already; it cannot be combined with response_format, "
+                             "structured_outputs or guided_*")
+        return tool_constraint or given
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """``defaults``: the model's default sampling values, for the fields left unset."""

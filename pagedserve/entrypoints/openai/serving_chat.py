@@ -3,7 +3,7 @@ request with ``n`` completions.
 
 Streaming sends, per choice, a first chunk with the assistant role, then one chunk per new
 piece of text (and its logprobs), the finish reason on the last one, an optional usage chunk,
-and ``data: [DONE]``.
+and ``data: [DONE]``. The text is read by ``chat_output``: reasoning, content and tool calls.
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.engine.async_llm import AsyncLLM, RequestStream
 from pagedserve.engine.input_processor import ProcessedRequest
+from pagedserve.entrypoints.openai.chat_output import (
+    ChoiceParser,
+    ChoiceStream,
+    OutputParsing,
+    tool_calls,
+)
 from pagedserve.entrypoints.openai.logprobs import chat_logprobs
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.request_limits import RequestLimits
@@ -47,11 +53,13 @@ from pagedserve.outputs import CompletionOutput, RequestOutputKind
 
 class OpenAIServingChat:
     def __init__(
-        self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits
+        self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits,
+        output_parsing: OutputParsing,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits
+        self.output_parsing = output_parsing
         # The model's generation_config.json values, for the fields a request leaves unset.
         self.default_sampling = default_sampling_values(engine.config.model.generation_config,
                                                         engine.model_path)
@@ -65,7 +73,11 @@ class OpenAIServingChat:
         # The engine says max_tokens; the client may have sent max_completion_tokens.
         names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
         with engine_errors(names):
+            request.check_tool_choice()
+            parser = self.output_parsing.choice_parser(request)
             params = request.to_sampling_params(self.default_sampling)
+            if parser.tools is not None and "skip_special_tokens" not in request.model_fields_set:
+                params.skip_special_tokens = False  # tool-call markup may be special tokens
             prompt = await self.engine.render_chat_async(
                 request.chat_dicts(), request.chat_options()
             )
@@ -73,13 +85,14 @@ class OpenAIServingChat:
                 prompt, params, request_id, request.priority
             )
         if not request.stream:
-            return await cancel_on_disconnect(raw, self._full(request, model, processed))
+            return await cancel_on_disconnect(raw, self._full(request, model, processed, parser))
         with engine_errors():
             streams = await submit_all(
                 self.engine, [processed], RequestOutputKind.DELTA, request.timeout
             )
         return StreamingResponse(
-            self._stream(request, model, request_id, streams[0]), media_type="text/event-stream"
+            self._stream(request, model, request_id, streams[0], parser),
+            media_type="text/event-stream",
         )
 
     # -- helpers -------------------------------------------------------------------------------
@@ -106,7 +119,8 @@ class OpenAIServingChat:
     # -- non-streaming -------------------------------------------------------------------------
 
     async def _full(
-        self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest
+        self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest,
+        parser: ChoiceParser,
     ) -> Response:
         with engine_errors():
             streams = await submit_all(
@@ -117,16 +131,19 @@ class OpenAIServingChat:
             finally:
                 close_all(streams)
         echo = self._echo_text(request)
-        choices = [
-            ChatChoice(
+        choices = []
+        for c in final.outputs:
+            parsed = parser.parse(c.text)
+            calls = tool_calls(parsed.calls, self.output_parsing.new_call_id)
+            content = echo + parsed.content if parsed.content is not None else echo or None
+            choices.append(ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=echo + c.text),
+                message=ChatResponseMessage(content=content, reasoning_content=parsed.reasoning,
+                                            tool_calls=calls),
                 logprobs=self._logprobs(request, c),
-                finish_reason=c.finish_reason,
+                finish_reason=_finish_reason(c.finish_reason, len(calls)),
                 stop_reason=c.stop_reason,
-            )
-            for c in final.outputs
-        ]
+            ))
         usage = UsageInfo.of(
             len(final.prompt_token_ids),
             sum(len(c.token_ids) for c in final.outputs),
@@ -140,7 +157,8 @@ class OpenAIServingChat:
     # -- streaming -----------------------------------------------------------------------------
 
     async def _stream(
-        self, request: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream
+        self, request: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream,
+        parser: ChoiceParser,
     ) -> AsyncIterator[str]:
         created = now()
 
@@ -150,6 +168,7 @@ class OpenAIServingChat:
             )
 
         echo = self._echo_text(request)
+        texts = [ChoiceStream(parser, self.output_parsing.new_call_id) for _ in range(request.n)]
         prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             for index in range(request.n):
@@ -164,18 +183,19 @@ class OpenAIServingChat:
                 for c in output.outputs:
                     completion_tokens += len(c.token_ids)
                     logprobs = self._logprobs(request, c)
-                    if (
-                        not c.text
-                        and c.finish_reason is None
-                        and not (logprobs and logprobs.content)
+                    text = texts[c.index]
+                    delta = text.update(c.text) if c.finish_reason is None else text.finish(
+                        c.text)
+                    if delta is None and c.finish_reason is None and not (
+                        logprobs and logprobs.content
                     ):
-                        continue  # text held back until a character (or stop check) completes
+                        continue  # text held back (a character, a stop check or markup)
                     yield chunk(
                         ChatChunkChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=c.text or None),
+                            delta=delta or DeltaMessage(),
                             logprobs=logprobs,
-                            finish_reason=c.finish_reason,
+                            finish_reason=_finish_reason(c.finish_reason, text.num_calls),
                             stop_reason=c.stop_reason,
                         )
                     )
@@ -194,3 +214,8 @@ class OpenAIServingChat:
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _finish_reason(engine_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's ``"tool_calls"`` for a completion that stopped after calling tools."""
+    return "tool_calls" if engine_reason == "stop" and num_calls else engine_reason

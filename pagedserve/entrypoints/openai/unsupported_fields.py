@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-_TOOLS = "tool calling is not implemented yet"
+_FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 _BEAM = "beam search is not implemented"
 _TEMPLATE = "the chat template is the server's own (--chat-template)"
 _CHAT_ONLY = "a chat completions field"
@@ -17,13 +17,13 @@ _MULTIMODAL = "the models served are text-only"
 
 UNSUPPORTED_FIELDS: dict[str, str] = {
     # OpenAI chat completions.
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
-    "tool_calls": _TOOLS,
-    "tool_call_id": _TOOLS,
+    "tools": _CHAT_ONLY,  # implemented on chat completions, as the next four
+    "tool_choice": _CHAT_ONLY,
+    "parallel_tool_calls": _CHAT_ONLY,
+    "tool_calls": _CHAT_ONLY,
+    "tool_call_id": _CHAT_ONLY,
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
     "audio": _MULTIMODAL,
     "modalities": _MULTIMODAL,
     "prediction": "predicted outputs are not implemented",

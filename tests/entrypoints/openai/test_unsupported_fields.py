@@ -64,8 +64,7 @@ SAMPLES: dict[str, Any] = {
     "guided_json": {"type": "object"}, "guided_regex": "[ab]+", "guided_choice": ["a", "b"],
     "guided_grammar": 'root ::= "a"',
     # Refused: a value a client would send.
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-    "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text"],
     "prediction": {"type": "content", "content": "x"}, "service_tier": "auto", "store": True,
     "metadata": {"k": "v"}, "reasoning_effort": "low", "verbosity": "low",
@@ -87,12 +86,14 @@ SAMPLES: dict[str, Any] = {
 SERVER_CHECKED = {
     ChatCompletionRequest: {"model", "messages", "stream", "stream_options", "user", "timeout",
                             "priority", "echo", "add_generation_prompt",
-                            "continue_final_message", "chat_template_kwargs"},
+                            "continue_final_message", "chat_template_kwargs", "tools",
+                            "tool_choice", "parallel_tool_calls"},
     CompletionRequest: {"model", "prompt", "stream", "stream_options", "user", "timeout",
                         "priority", "echo"},
 }
 """Declared fields that SamplingParams does not carry: each is exercised through the server
-below or, for the chat template's options, in test_chat.py (``user``, OpenAI's end-user id for
+below or, for the chat template's options, in test_chat.py, for the tool fields, in
+test_tool_calls.py (``user``, OpenAI's end-user id for
 its abuse monitoring, is accepted with no effect)."""
 
 WALKS = [
@@ -155,20 +156,16 @@ def _refused(response: httpx.Response, param: str) -> dict[str, Any]:
 
 def test_nested_objects_and_messages_refuse_their_unknown_fields(server: ServerProcess) -> None:
     options = _keys(ChatCompletionStreamOptionsParam) - {"include_usage"}
-    assistant = _keys(ChatCompletionAssistantMessageParam) - {"role", "content", "name"}
+    assistant = _keys(ChatCompletionAssistantMessageParam) - {"role", "content", "name",
+                                                              "tool_calls"}
     assert options == {"include_obfuscation"} and assistant <= set(UNSUPPORTED_FIELDS)
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("/v1/chat/completions", {"messages": MESSAGES, "stream": True,
                                   "stream_options": {"include_obfuscation": True}},
          "stream_options.include_obfuscation"),
         ("/v1/chat/completions",
-         {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
-         "messages[0].tool_calls"),
-        ("/v1/chat/completions",
-         {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]},
-         "messages[0].tool_call_id"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]},
-         "messages[0].role"),
+         {"messages": [{"role": "assistant", "content": "x", "function_call": {}}]},
+         "messages[0].function_call"),
         ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
             "type": "json_schema", "json_schema": {"name": "n", "schema": {}, "x": 1}}},
          "response_format.json_schema.x"),
@@ -223,7 +220,7 @@ def test_openapi_schema_forbids_undeclared_fields(server: ServerProcess) -> None
                  "ResponseFormat", "TokenizeRequest", "DetokenizeRequest"):
         assert schemas[name]["additionalProperties"] is False, name
     assert "priority" in schemas["ChatCompletionRequest"]["properties"]
-    assert "tool" not in schemas["ChatMessage"]["properties"]["role"]["enum"]
+    assert "tool" in schemas["ChatMessage"]["properties"]["role"]["enum"]
     assert httpx.get(f"{server.url}/docs", timeout=10).status_code == 404
 
 
