@@ -165,6 +165,7 @@ class LLM:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         a list of conversations, rendered with the chat template (``chat_template`` or the
@@ -172,12 +173,15 @@ class LLM:
         parts; other part types are refused. ``continue_final_message``: continue the last
         (assistant) message instead of starting a new turn; ``add_generation_prompt`` None
         means True unless it is set. ``chat_template_kwargs``: extra template variables
-        (Qwen3's ``enable_thinking``)."""
+        (Qwen3's ``enable_thinking``). ``tools``: function definitions in OpenAI's shape,
+        rendered by the template as the server renders a request's ``tools``; assistant
+        messages may carry ``tool_calls`` and ``tool`` messages answer them. Reading calls
+        from the output is the server's job (``--tool-call-parser``)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
         options = ChatRenderOptions.of(
-            add_generation_prompt, continue_final_message, chat_template_kwargs
+            add_generation_prompt, continue_final_message, chat_template_kwargs, tools
         )
         conversations = as_conversations(messages)
         prompts = [
