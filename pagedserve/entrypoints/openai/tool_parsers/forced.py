@@ -15,7 +15,6 @@ from pagedserve.entrypoints.openai.tool_parsers.base import (
     PartialCall,
     ToolParser,
     read_call_array,
-    whole_output,
 )
 from pagedserve.entrypoints.openai.tool_parsers.json_scan import MalformedJSON, skip_whitespace
 
@@ -54,14 +53,17 @@ class NamedFunctionOutput(ToolParser):
 
 
 class RequiredCallsOutput(ToolParser):
-    """The whole output is ``required_schema``'s array of calls."""
+    """The whole output is ``required_schema``'s array of calls. An output cut off by
+    ``max_tokens`` keeps its finished calls (the finish reason says ``length``); with none, its
+    text is the content."""
 
     def parse(self, text: str) -> ParsedCalls:
         try:
             calls, _ = read_call_array(text, skip_whitespace(text, 0), ("parameters",))
         except MalformedJSON:
             calls = []
-        return whole_output(calls, "", text)
+        finished = [call for call in calls if call.is_valid()]
+        return ParsedCalls(None, finished) if finished else ParsedCalls(text or None)
 
     def parse_partial(self, text: str) -> ParsedCalls:
         start = skip_whitespace(text, 0)
