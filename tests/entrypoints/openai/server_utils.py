@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -98,6 +100,18 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def running_server(model_dir: Path, log_path: Path, *extra_args: str) -> Iterator[ServerProcess]:
+    """A ready server for the block's duration (one per test module or session: starting
+    one costs seconds of CPU)."""
+    proc = ServerProcess(model_dir, log_path, *extra_args)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
 
 
 def metric_value(url: str, name: str) -> float:

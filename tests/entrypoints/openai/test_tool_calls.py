@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from pagedserve.entrypoints.cli import main
-from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess
+from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess, running_server
 from tests.entrypoints.openai.tool_models import save_tool_checkpoint
 
 WEATHER = {
@@ -43,14 +43,10 @@ THINK_THEN_CALL = (r"<think>Paris is in France\.</think>\n<tool_call>\n\{\"name\
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = save_tool_checkpoint("hermes", tmp_path_factory.mktemp("hermes_model"))
-    proc = ServerProcess(folder, folder / "server.log", "--api-key", API_KEY,
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--reasoning-parser", "qwen3")
-    try:
-        proc.wait_ready()
+    with running_server(folder, folder / "server.log", "--api-key", API_KEY,
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--reasoning-parser", "qwen3") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
