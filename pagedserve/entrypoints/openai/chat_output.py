@@ -43,6 +43,11 @@ class ChoiceParser:
         self.reasoning = reasoning
         self.max_calls = max_calls
 
+    @property
+    def reads_plain_text(self) -> bool:
+        """No parser: the text is the content, as it comes."""
+        return self.tools is None and self.reasoning is None
+
     def parse(self, text: str) -> ParsedChoice:
         reasoning, rest = (None, text) if self.reasoning is None else self.reasoning.split(text)
         calls = ParsedCalls(rest) if self.tools is None else self.tools.parse(rest)
@@ -83,11 +88,15 @@ class ChoiceStream:
         return len(self.arguments)
 
     def update(self, new_text: str) -> DeltaMessage | None:
+        if self.parser.reads_plain_text:
+            return DeltaMessage(content=new_text) if new_text else None
         self.text += new_text
         return self._delta(self.parser.parse_partial(self.text))
 
     def finish(self, new_text: str) -> DeltaMessage | None:
         """The last delta: the whole output parsed (a malformed call's text becomes content)."""
+        if self.parser.reads_plain_text:
+            return self.update(new_text)
         self.text += new_text
         return self._delta(self.parser.parse(self.text))
 

@@ -337,7 +337,12 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         )
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
-        return self._sampling_params(max_tokens, logprobs, None, defaults)
+        params = self._sampling_params(max_tokens, logprobs, None, defaults)
+        if self.effective_tool_choice == "auto" and (
+            "skip_special_tokens" not in self.model_fields_set
+        ):
+            params.skip_special_tokens = False  # some models' tool-call markup is one
+        return params
 
 
 class TokenizeRequest(RequestBody):

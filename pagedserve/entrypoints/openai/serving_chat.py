@@ -76,8 +76,6 @@ class OpenAIServingChat:
             request.check_tool_choice()
             parser = self.output_parsing.choice_parser(request)
             params = request.to_sampling_params(self.default_sampling)
-            if parser.tools is not None and "skip_special_tokens" not in request.model_fields_set:
-                params.skip_special_tokens = False  # tool-call markup may be special tokens
             prompt = await self.engine.render_chat_async(
                 request.chat_dicts(), request.chat_options()
             )

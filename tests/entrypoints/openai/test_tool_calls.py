@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from pagedserve.entrypoints.cli import main
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess, running_server
 from tests.entrypoints.openai.tool_models import save_tool_checkpoint
 
@@ -187,3 +188,16 @@ def test_auto_needs_the_server_flag(server: ServerProcess) -> None:
 def test_serve_refuses_auto_without_a_parser(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--enable-auto-tool-choice"]) != 0
     assert "needs --tool-call-parser" in capsys.readouterr().err
+
+
+def test_auto_keeps_special_tokens_unless_the_request_says() -> None:
+    """Some models' call markup (Mistral's [TOOL_CALLS], Llama's <|python_tag|>) is a special
+    token: "auto" keeps them in the text the parser reads."""
+    def params(**fields: Any) -> Any:
+        body = {"messages": MESSAGES, "tools": TOOLS, **fields}
+        return ChatCompletionRequest.model_validate(body).to_sampling_params()
+
+    assert params().skip_special_tokens is False
+    assert params(skip_special_tokens=True).skip_special_tokens is True
+    assert params(tool_choice="required").skip_special_tokens is True
+    assert params(tool_choice="required").structured_outputs.kind == "json"

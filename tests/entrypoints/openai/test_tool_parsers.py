@@ -18,7 +18,7 @@ from pagedserve.entrypoints.openai.tool_parsers.forced import (
 )
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
-TIME = '{"zone": "CET", "nested": {"list": [1, "}]", {"a": null}]}}'
+TIME = r'{"zone": "CET \"x\" \\", "nested": {"list": [1, "}]", {"a": null}]}}'
 
 HERMES_TWO = (f'Let me check.\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n'
               f'</tool_call>\n<tool_call>\n{{"name": "get_time", "arguments": {TIME}}}\n'

@@ -13,8 +13,13 @@ import re
 from dataclasses import dataclass
 
 _WHITESPACE = " \t\n\r"
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+"""Possessive: runs of plain characters are matched in C, and an unfinished string fails
+without backtracking."""
 _SCALAR_END = re.compile(r"[,}\]\s]")
+_STRUCTURE = re.compile(r'["{}\[\]]')
+"""What a container's end is looked for by (the regexes run in C: a long string argument
+costs one match, not a Python step per character)."""
 
 
 class MalformedJSON(ValueError):
@@ -28,26 +33,24 @@ def skip_whitespace(text: str, i: int) -> int:
 
 
 def _string_end(text: str, start: int) -> int | None:
+    """Past the closing quote of the string at ``text[start]``."""
     match = _STRING.match(text, start)
     return None if match is None else match.end()
 
 
 def _container_end(text: str, start: int) -> int | None:
     depth, i = 0, start
-    while i < len(text):
-        char = text[i]
-        if char == '"':
+    while (match := _STRUCTURE.search(text, i)) is not None:
+        i = match.start()
+        if match.group() == '"':
             end = _string_end(text, i)
             if end is None:
                 return None
             i = end
             continue
-        if char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+        depth += 1 if match.group() in "{[" else -1
+        if depth == 0:
+            return i + 1
         i += 1
     return None
 
