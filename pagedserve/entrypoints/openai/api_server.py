@@ -23,6 +23,7 @@ import uvicorn
 from pagedserve.config import ModelConfig
 from pagedserve.entrypoints.cli_args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.entrypoints.openai.connection_cap import DEFAULT_MAX_CONNECTIONS
 from pagedserve.entrypoints.openai.http_guards import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
-DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_ENGINE_TIMEOUT_S = 60.0
 CONNECTION_CLOSE_TIMEOUT_S = 2  # whole seconds: uvicorn's timeout_graceful_shutdown is an int
 
@@ -129,7 +129,8 @@ def _add_connection_args(group: argparse._ArgumentGroup) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
         help="past this many open connections (or requests in progress), a new request is "
-        f"answered 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+        "answered 503 server_overloaded and its connection closed "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
     )
 
 
@@ -304,6 +305,9 @@ def main(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop_fatally(reason)
 
+    def open_connections() -> int:
+        return 0 if server is None else len(server.server_state.connections)
+
     settings = ServerSettings(
         served_model_names=[name],
         model_root=config.model.model,
@@ -314,6 +318,8 @@ def main(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout,
         allowed_hosts=allowed_hosts_from_args(args),
         on_fatal=on_fatal,
+        max_connections=args.max_connections,
+        open_connections=open_connections,
     )
     app = build_app(engine, metrics, settings)
     uv_config = uvicorn.Config(
@@ -325,7 +331,6 @@ def main(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,
         http=guarded_h11_protocol(args.header_timeout),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        limit_concurrency=args.max_connections,
     )
     server = _Server(uv_config, engine, args.shutdown_timeout)
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at

@@ -11,7 +11,12 @@ import openai
 import pytest
 
 from tests.engine.tiny_models import save_checkpoint
-from tests.entrypoints.openai.server_utils import API_KEY, MAX_MODEL_LEN, ServerProcess
+from tests.entrypoints.openai.server_utils import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    SHARED_SERVER_MAX_CONNECTIONS,
+    ServerProcess,
+)
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +39,8 @@ def server(
     """One server shared by the test modules that do not break it (starting one costs seconds
     of CPU); the API key is on, so every route's auth is exercised."""
     log = tmp_path_factory.mktemp("server_log") / "server.log"
-    proc = ServerProcess(tiny_model_dir, log, "--api-key", API_KEY)
+    proc = ServerProcess(tiny_model_dir, log, "--api-key", API_KEY,
+                         "--max-connections", str(SHARED_SERVER_MAX_CONNECTIONS))
     try:
         proc.wait_ready()
         yield proc
