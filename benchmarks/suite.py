@@ -1,6 +1,7 @@
 """The headline GPU figures in one process (one engine start for the 8B workloads).
 
 ``python benchmarks/suite.py --out DIR [--sections tiny,b1,b64,t1024,t2048,warm,qwen3,t1000]``
+(``structured`` too, not by default: ``structured.py``'s three figures on the 8B engine)
 runs, on a CUDA machine, the project's own bench code (``pagedserve.entrypoints.bench``: the
 same functions ``pagedserve bench latency`` and ``pagedserve bench throughput`` call) on the
 Llama-3-8B shape with dummy bf16 weights, greedy: ``tiny`` (the fast path's greedy tokens equal
@@ -25,6 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
+import structured
 import torch
 
 from pagedserve.config import CompilationConfig, choices_of
@@ -105,6 +107,8 @@ def main() -> None:
     for key, (module, argv) in workloads.items():
         if key in wanted and key != "t1000" and llm is not None:
             suite.run(f"8b.{key}", module.run, llm, bench_args(argv))
+    if "structured" in wanted and llm is not None:  # benchmarks/structured.py
+        suite.run("8b.structured", structured.run, llm, Path(llama[1]))
     gc.collect()
 
     if "warm" in wanted:  # a fresh process: the Inductor cache on disk is warm now

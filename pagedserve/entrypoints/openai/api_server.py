@@ -27,6 +27,7 @@ from pagedserve.entrypoints.openai.chat_output import (
     add_output_parsing_args,
     output_parsing_from_args,
 )
+from pagedserve.entrypoints.openai.connection_cap import DEFAULT_MAX_CONNECTIONS
 from pagedserve.entrypoints.openai.http_guards import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
-DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_ENGINE_TIMEOUT_S = 60.0
 CONNECTION_CLOSE_TIMEOUT_S = 2  # whole seconds: uvicorn's timeout_graceful_shutdown is an int
 
@@ -134,7 +134,8 @@ def _add_connection_args(group: argparse._ArgumentGroup) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
         help="past this many open connections (or requests in progress), a new request is "
-        f"answered 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+        "answered 503 server_overloaded and its connection closed "
+        f"(default: {DEFAULT_MAX_CONNECTIONS})",
     )
 
 
@@ -310,6 +311,9 @@ def main(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop_fatally(reason)
 
+    def open_connections() -> int:
+        return 0 if server is None else len(server.server_state.connections)
+
     settings = ServerSettings(
         served_model_names=[name],
         model_root=config.model.model,
@@ -321,6 +325,8 @@ def main(args: argparse.Namespace) -> int:
         allowed_hosts=allowed_hosts_from_args(args),
         on_fatal=on_fatal,
         output_parsing=output_parsing,
+        max_connections=args.max_connections,
+        open_connections=open_connections,
     )
     app = build_app(engine, metrics, settings)
     uv_config = uvicorn.Config(
@@ -332,7 +338,6 @@ def main(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=CONNECTION_CLOSE_TIMEOUT_S,
         http=guarded_h11_protocol(args.header_timeout),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        limit_concurrency=args.max_connections,
     )
     server = _Server(uv_config, engine, args.shutdown_timeout)
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it to the handler found at

@@ -25,9 +25,11 @@ from pagedserve.engine.async_llm import AsyncLLM, EngineState
 from pagedserve.engine.input_processor import ChatRenderOptions
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.chat_output import OutputParsing
+from pagedserve.entrypoints.openai.connection_cap import DEFAULT_MAX_CONNECTIONS, ConnectionCap
 from pagedserve.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from pagedserve.entrypoints.openai.http_guards import DEFAULT_BODY_TIMEOUT_S, RequestGuard
 from pagedserve.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedserve.entrypoints.openai.openapi_schema import install_token_id_bound
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +79,9 @@ class ServerSettings:
     """Called when the engine fails to start: the server should exit."""
     output_parsing: OutputParsing = field(default_factory=OutputParsing)
     """Tool-call and reasoning parsers of chat completions."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    open_connections: Callable[[], int] = field(default=lambda: 0)
+    """How many connections the HTTP server holds open now."""
 
 
 _BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
@@ -139,14 +144,25 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings
     )
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
-    app.add_middleware(  # the outermost
+    app.add_middleware(
         RequestGuard, body_timeout=settings.body_timeout, allowed_hosts=settings.allowed_hosts
+    )
+    app.add_middleware(  # the outermost: the cheapest refusal first
+        ConnectionCap, max_connections=settings.max_connections,
+        open_connections=settings.open_connections,
     )
     add_web_routes(app)
     app.include_router(_open_routes(engine, metrics))
     auth = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
     app.include_router(_api_routes(engine, settings), dependencies=auth, responses=_ERRORS)
+    install_token_id_bound(app, lambda: _vocab_size(engine))
     return app
+
+
+def _vocab_size(engine: AsyncLLM) -> int | None:
+    """The model's vocabulary size once it is loaded (it stays known after a shutdown)."""
+    processor = engine.input_processor
+    return None if processor is None else processor.vocab_size
 
 
 def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:

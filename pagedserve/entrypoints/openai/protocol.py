@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.engine.input_processor import ChatRenderOptions, check_unicode
+from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.entrypoints.openai.tools_protocol import MessageToolCall, ToolFields
 from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
@@ -42,8 +43,9 @@ def _or_null(schema: dict[str, Any]) -> None:
     schema.update(kept)
     schema["anyOf"] = [inner, {"type": "null"}]
 
-TokenId = Annotated[int, Field(ge=0), Strict()]
-"""Strict: ``true`` is not the token id 1, nor ``"5"`` the id 5."""
+TokenId = Annotated[int, Field(ge=0, description=TOKEN_ID_DESCRIPTION), Strict()]
+"""Strict: ``true`` is not the token id 1, nor ``"5"`` the id 5. The served schema adds the
+model's largest id as ``maximum`` (``openapi_schema.py``)."""
 StopField = Annotated[
     str | list[str] | None,
     Field(
@@ -280,6 +282,10 @@ class ChatMessage(RequestBody):
 class ChatCompletionRequest(ToolFields, SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    model_config = ConfigDict(  # merged with SamplingFields'
+        json_schema_extra={"dependentRequired": {"top_logprobs": ["logprobs"]}}
+    )
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(
         None, ge=1, description="Deprecated alias of max_completion_tokens."
@@ -288,7 +294,10 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         None, ge=1, description="null: up to the context length."
     )
     logprobs: bool = Field(False, json_schema_extra=_or_null)
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="Most likely tokens per position; needs logprobs: true (400 otherwise).",
+    )
     echo: bool = Field(
         False,
         description="Prepend the last message's content when it is the "

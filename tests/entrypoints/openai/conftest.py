@@ -14,6 +14,7 @@ from tests.engine.tiny_models import save_checkpoint
 from tests.entrypoints.openai.server_utils import (
     API_KEY,
     MAX_MODEL_LEN,
+    SHARED_SERVER_MAX_CONNECTIONS,
     ServerProcess,
     running_server,
 )
@@ -39,7 +40,8 @@ def server(
     """One server shared by the test modules that do not break it (starting one costs seconds
     of CPU); the API key is on, so every route's auth is exercised."""
     log = tmp_path_factory.mktemp("server_log") / "server.log"
-    with running_server(tiny_model_dir, log, "--api-key", API_KEY) as proc:
+    with running_server(tiny_model_dir, log, "--api-key", API_KEY,
+                        "--max-connections", str(SHARED_SERVER_MAX_CONNECTIONS)) as proc:
         yield proc
 
 

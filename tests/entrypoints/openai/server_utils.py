@@ -18,6 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 STARTUP_TIMEOUT_S = 180.0
+SHARED_SERVER_MAX_CONNECTIONS = 100
+"""The shared server's --max-connections: above any test's concurrency."""
 
 
 def free_port() -> int:

@@ -1,18 +1,21 @@
 """The connection-level guards, on uvicorn in this process (a small app, short timeouts):
 idle and slow clients are cut, requests framed two ways are refused and their connection
-closed, header blocks are bounded, connections past the cap are refused."""
+closed, header blocks are bounded, connections past the cap are refused in OpenAI's shape
+(here and on a real server)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
+from pagedserve.entrypoints.openai.connection_cap import ConnectionCap
 from pagedserve.entrypoints.openai.errors import install_error_handlers
 from pagedserve.entrypoints.openai.http_guards import (
     MAX_HEADER_BYTES,
@@ -20,7 +23,11 @@ from pagedserve.entrypoints.openai.http_guards import (
     RequestGuard,
     guarded_h11_protocol,
 )
-from tests.entrypoints.openai.server_utils import ServerProcess, free_port
+from tests.entrypoints.openai.server_utils import (
+    SHARED_SERVER_MAX_CONNECTIONS,
+    ServerProcess,
+    free_port,
+)
 
 TIMEOUT_S = 0.5
 MAX_CONNECTIONS = 4
@@ -28,10 +35,13 @@ WAIT_S = 5.0
 """Longest any socket read here waits (a hang fails the test instead of blocking it)."""
 
 
-def _app() -> FastAPI:
+def _app(open_connections: Callable[[], int]) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(RequestGuard, body_timeout=TIMEOUT_S)
+    app.add_middleware(
+        ConnectionCap, max_connections=MAX_CONNECTIONS, open_connections=open_connections
+    )
 
     @app.post("/echo")
     async def echo(request: Request) -> dict:
@@ -43,12 +53,14 @@ def _app() -> FastAPI:
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
     port = free_port()
+    servers: list[uvicorn.Server] = []
     config = uvicorn.Config(
-        _app(), host="127.0.0.1", port=port, log_level="critical",
-        http=guarded_h11_protocol(TIMEOUT_S), h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        limit_concurrency=MAX_CONNECTIONS,
+        _app(lambda: len(servers[0].server_state.connections)), host="127.0.0.1", port=port,
+        log_level="critical", http=guarded_h11_protocol(TIMEOUT_S),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = uvicorn.Server(config)
+    servers.append(server)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + WAIT_S
@@ -137,20 +149,35 @@ def test_header_count_and_size_are_bounded(port):
         assert _read_all(sock).startswith(b"HTTP/1.1 400")
 
 
-def test_connections_past_the_cap_are_refused(port):
-    idle = [_connect(port) for _ in range(MAX_CONNECTIONS)]
+def _refused_past_the_cap(port: int, max_connections: int) -> None:
+    """With ``max_connections`` idle connections open, a request on one more gets OpenAI's
+    503 naming the limit, and its connection is closed; once they close, it is served."""
+    idle = [_connect(port) for _ in range(max_connections)]
     try:
         time.sleep(0.1)
         with _connect(port) as sock:
             sock.sendall(_request())
-            assert sock.recv(65536).startswith(b"HTTP/1.1 503")
+            answer = _read_all(sock)
     finally:
         for sock in idle:
             sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "server_overloaded" and error["type"] == "service_unavailable_error"
+    assert f"{max_connections} connections (--max-connections)" in error["message"], error
     time.sleep(0.1)
     with _connect(port) as sock:
         sock.sendall(_request())
-        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert not sock.recv(65536).startswith(b"HTTP/1.1 503")
+
+
+def test_connections_past_the_cap_are_refused(port):
+    _refused_past_the_cap(port, MAX_CONNECTIONS)
+
+
+def test_real_server_refuses_connections_past_the_cap(server: ServerProcess):
+    _refused_past_the_cap(server.port, SHARED_SERVER_MAX_CONNECTIONS)
 
 
 def test_real_server_refuses_two_framings(server: ServerProcess):

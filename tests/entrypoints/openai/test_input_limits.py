@@ -5,11 +5,13 @@ tokens inside chat content, and the open routes' shapes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import pytest
 
+from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
 from pagedserve.entrypoints.openai.request_limits import (
     DEFAULT_MAX_COMPLETIONS_PER_REQUEST,
     DEFAULT_MAX_N,
@@ -155,3 +157,32 @@ def test_health_body_and_openapi_prompt_schema(server):
     assert all(member.get("minLength", member.get("minItems")) == 1 for member in prompt["anyOf"])
     n = schema["components"]["schemas"]["CompletionRequest"]["properties"]["n"]
     assert {"type": "null"} in n["anyOf"]
+
+
+def _token_id_maxima(node: object) -> list[int | None]:
+    """``maximum`` of every integer schema under ``node`` that is a token id."""
+    if isinstance(node, list):
+        return [m for item in node for m in _token_id_maxima(item)]
+    if not isinstance(node, dict):
+        return []
+    own = [node.get("maximum")] if node.get("description") == TOKEN_ID_DESCRIPTION else []
+    return own + [m for value in node.values() for m in _token_id_maxima(value)]
+
+
+def test_openapi_schema_bounds_token_ids_and_ties_top_logprobs(server, tiny_model_dir):
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    schemas = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    for where in (completion["prompt"], completion["stop_token_ids"],
+                  schemas["DetokenizeRequest"]["properties"]["tokens"]):
+        maxima = _token_id_maxima(where)
+        assert maxima and set(maxima) == {vocab_size - 1}, where
+    assert _post(server, "/v1/completions", {"prompt": [vocab_size - 1], "max_tokens": 1}
+                 ).status_code == 200
+    assert _error(_post(server, "/v1/completions", {"prompt": [vocab_size]}), 400)["param"] == (
+        "prompt")
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["dependentRequired"] == {"top_logprobs": ["logprobs"]}
+    assert "needs logprobs: true" in chat["properties"]["top_logprobs"]["description"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    assert _error(_post(server, "/v1/chat/completions", body), 400)["param"] == "top_logprobs"

@@ -1,0 +1,27 @@
+"""Import a script of benchmarks/ as a module (the folder is not a package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@contextmanager
+def loaded_script(name: str) -> Iterator[ModuleType]:
+    """``benchmarks/NAME.py`` as a module, registered in ``sys.modules`` while in use
+    (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
