@@ -207,13 +207,16 @@ DEFAULT_CONFIGS = {
 down_proj, gate/up, QKV); docs/gpu.md#one-token-steps-gemv has the figures."""
 
 FP8_CONFIGS = {
-    int(EPILOGUE_STORE): GemvConfig(block_n=4, block_k=2048, num_warps=4),
-    int(EPILOGUE_SILU_MUL): GemvConfig(block_n=8, block_k=512, num_warps=4),
-    int(EPILOGUE_ROPE_KV): GemvConfig(block_n=8, block_k=1024, num_warps=8),
+    int(EPILOGUE_STORE): GemvConfig(block_n=8, block_k=1024, num_warps=4,
+                                    weight_via="float16"),  # o_proj + down_proj
+    int(EPILOGUE_SILU_MUL): GemvConfig(block_n=4, block_k=1024, num_warps=4,
+                                       weight_via="float16"),  # gate_up
+    int(EPILOGUE_ROPE_KV): GemvConfig(block_n=4, block_k=512, num_warps=4,
+                                      weight_via="float16"),  # qkv
 }
-"""Tiles for float8_e4m3fn weights: DEFAULT_CONFIGS's with BLOCK_K doubled (a tile's loads move
-the same bytes as bf16's), and twice the warps where that would double the registers per
-thread (QKV). ``python benchmarks/gemv_sweep.py --weights fp8`` prints the measured winners."""
+"""Tiles for float8_e4m3fn weights: the winners of ``python benchmarks/gemv_sweep.py --weights
+fp8`` on an H200, Llama-3-8B shapes (docs/gpu.md). Widening FP8 through fp16 (exact) beat the
+direct widening to fp32 on every shape."""
 
 
 def tile_config(epilogue: int, weight_dtype: torch.dtype) -> GemvConfig:
