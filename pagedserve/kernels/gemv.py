@@ -48,16 +48,17 @@ EPILOGUE_ROPE_KV = tl.constexpr(2)  # rotate q/k pairs; q -> q_out, k/v -> the K
 
 @triton.jit
 def _accumulate(part_a, part_b, sum_sq, wa, wb, x_ptr, norm_ptr, k, K,
-                PAIRED: tl.constexpr, NORM: tl.constexpr):
+                PAIRED: tl.constexpr, NORM: tl.constexpr, W_VIA: tl.constexpr):
     """One K tile: partial products per lane ([BLOCK_N, BLOCK_K], summed once after the loop)
-    and, for the RMSNorm prologue, the input's partial sum of squares."""
+    and, for the RMSNorm prologue, the input's partial sum of squares. Weights widen to fp32
+    through ``W_VIA`` (fp16 is exact for FP8 weights)."""
     x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     if NORM:
         sum_sq += x * x
         x = x * tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    part_a += wa.to(tl.float32) * x[None, :]
+    part_a += wa.to(W_VIA).to(tl.float32) * x[None, :]
     if PAIRED:
-        part_b += wb.to(tl.float32) * x[None, :]
+        part_b += wb.to(W_VIA).to(tl.float32) * x[None, :]
     return part_a, part_b, sum_sq
 
 
@@ -91,6 +92,7 @@ def _gemv_kernel(
     ADD_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_VIA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -126,7 +128,7 @@ def _gemv_kernel(
     part_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     part_a, part_b, sum_sq = _accumulate(part_a, part_b, sum_sq, wa, wb, x_ptr, norm_ptr, k, K,
-                                         PAIRED, NORM)
+                                         PAIRED, NORM, W_VIA)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w_mask = col_mask[:, None] & (k[None, :] < K)
@@ -134,7 +136,7 @@ def _gemv_kernel(
         if PAIRED:
             wb = tl.load(wb_ptrs + k[None, :], mask=w_mask, other=0.0)
         part_a, part_b, sum_sq = _accumulate(part_a, part_b, sum_sq, wa, wb, x_ptr, norm_ptr,
-                                             k, K, PAIRED, NORM)
+                                             k, K, PAIRED, NORM, W_VIA)
     acc_a = tl.sum(part_a, axis=1)  # [BLOCK_N]
     acc_b = tl.sum(part_b, axis=1)
     if NORM:  # RMSNorm(x) = x * gamma / rms(x): the 1 / rms factor comes out of the sum
@@ -190,6 +192,10 @@ class GemvConfig:
     """Output columns per program (dimension pairs for the paired epilogues)."""
     block_k: int
     num_warps: int
+    num_stages: int = 1
+    weight_via: str = "float32"
+    """The type weights widen through before the fp32 products: "float32" (directly), or
+    "float16" (FP8 weights only; exact for float8_e4m3fn)."""
 
 
 DEFAULT_CONFIGS = {
@@ -199,6 +205,24 @@ DEFAULT_CONFIGS = {
 }
 """Fastest tiles of ``python benchmarks/gemv_sweep.py`` on an H200, Llama-3-8B shapes (o_proj and
 down_proj, gate/up, QKV); docs/gpu.md#one-token-steps-gemv has the figures."""
+
+FP8_CONFIGS = {
+    int(EPILOGUE_STORE): GemvConfig(block_n=8, block_k=1024, num_warps=4,
+                                    weight_via="float16"),  # o_proj + down_proj
+    int(EPILOGUE_SILU_MUL): GemvConfig(block_n=4, block_k=1024, num_warps=4,
+                                       weight_via="float16"),  # gate_up
+    int(EPILOGUE_ROPE_KV): GemvConfig(block_n=4, block_k=512, num_warps=4,
+                                      weight_via="float16"),  # qkv
+}
+"""Tiles for float8_e4m3fn weights: the winners of ``python benchmarks/gemv_sweep.py --weights
+fp8`` on an H200, Llama-3-8B shapes (docs/gpu.md). Widening FP8 through fp16 (exact) beat the
+direct widening to fp32 on every shape."""
+
+
+def tile_config(epilogue: int, weight_dtype: torch.dtype) -> GemvConfig:
+    """The default tile of a kernel (``EPILOGUE_*``) reading weights of ``weight_dtype``."""
+    table = FP8_CONFIGS if weight_dtype == torch.float8_e4m3fn else DEFAULT_CONFIGS
+    return table[int(epilogue)]
 
 
 @functools.cache
@@ -241,7 +265,11 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
         if t is not None and (t.numel() != numel or not t.is_contiguous()):
             raise ValueError(f"{name}: expected {numel} contiguous values, got "
                              f"{tuple(t.shape)}")
-    cfg = config or DEFAULT_CONFIGS[int(epilogue)]
+    cfg = config or tile_config(int(epilogue), weight.dtype)
+    if cfg.weight_via not in ("float32", "float16") or (
+        cfg.weight_via == "float16" and weight_scale is None
+    ):
+        raise ValueError(f"weight_via {cfg.weight_via!r}: float32, or float16 for FP8 weights")
     if rope is None:
         cos_sin = positions = slots = cache = out
         block_size, num_q, num_kv, head_dim, cache_strides = 1, 1, 1, 2, (0, 0, 0)
@@ -262,8 +290,9 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
         BLOCK_SIZE=block_size, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim,
         EPILOGUE=epilogue, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, ADD_RESIDUAL=residual is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=use_pdl,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_VIA=getattr(tl, cfg.weight_via),
+        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=use_pdl,
     )  # fmt: skip
 
 

@@ -93,7 +93,9 @@ def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None
         if reason is not None:
             return reason
     head_dim = head_dim_of(model.config)
-    if head_dim // 2 % gemv.DEFAULT_CONFIGS[int(gemv.EPILOGUE_ROPE_KV)].block_n:
+    first = cast(LlamaDecoderLayer, model.model.layers[0])  # checked above
+    qkv_dtype = first.self_attn.qkv_proj.weight.dtype
+    if head_dim // 2 % gemv.tile_config(int(gemv.EPILOGUE_ROPE_KV), qkv_dtype).block_n:
         return f"head_dim {head_dim}: half of it must be a multiple of the tile"
     return None
 

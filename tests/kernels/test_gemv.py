@@ -170,3 +170,35 @@ def test_fp8_inputs_name_the_argument() -> None:
         gemv.linear_row(_rand(1, 32), w8)  # FP8 weights need their scale
     with pytest.raises(ValueError, match="weight_scale: expected 16 contiguous fp32"):
         gemv.linear_row(_rand(1, 32), w8, weight_scale=scale[:8])
+
+
+def test_fp8_weights_get_the_fp8_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher picks its default tile by weight dtype: with a QKV tile of each table that
+    does not fit the head, the error names the table of the weights' dtype."""
+    rope_kv = int(gemv.EPILOGUE_ROPE_KV)
+    monkeypatch.setitem(gemv.DEFAULT_CONFIGS, rope_kv, gemv.GemvConfig(5, 64, 4))
+    monkeypatch.setitem(gemv.FP8_CONFIGS, rope_kv, gemv.GemvConfig(3, 64, 4))
+    d, hidden = 16, 32
+    w = _rand(4 * d, hidden)
+    w8, scale, _ = _fp8(w)
+    args = (_rand(16, d), torch.tensor([3], device=DEVICE), torch.tensor([0], device=DEVICE),
+            torch.zeros(2, 2, 4, 1, d, dtype=DT, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="block_n 3 must divide"):
+        gemv.rmsnorm_qkv_rope_kv_write(_rand(1, hidden), _rand(hidden), EPS, w8, None, *args,
+                                       weight_scale=scale)
+    with pytest.raises(ValueError, match="block_n 5 must divide"):
+        gemv.rmsnorm_qkv_rope_kv_write(_rand(1, hidden), _rand(hidden), EPS, w, None, *args)
+
+
+@FP8_KERNELS
+def test_fp8_weights_through_fp16_give_the_same_sums() -> None:
+    """weight_via="float16" widens FP8 exactly: the same outputs as the direct conversion."""
+    x, r = _rand(1, 200), _rand(1, 72)
+    w8, scale, _ = _fp8(_rand(72, 200, scale=0.1))
+    cfg = gemv.GemvConfig(8, 64, 4)
+    via = gemv.GemvConfig(8, 64, 4, weight_via="float16")
+    want = gemv.linear_row(x, w8, None, r, config=cfg, weight_scale=scale)
+    torch.testing.assert_close(gemv.linear_row(x, w8, None, r, config=via, weight_scale=scale),
+                               want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="weight_via"):
+        gemv.linear_row(x, _rand(72, 200), None, r, config=via)
