@@ -143,11 +143,12 @@ class GemvDecodeForward:
         q = gemv.rmsnorm_qkv_rope_kv_write(
             h, norm.weight, norm.eps, qkv.weight, qkv.bias, self.cos_sin_cache, positions,
             ctx.slot_mapping[attn.layer_name], attn.kv_cache, attn.num_heads,
-            weight_scale=_weight_scale(qkv))  # [1, Hq * D]
+            weight_scale=_weight_scale(qkv), k_scale=attn.kv_scales.k,
+            v_scale=attn.kv_scales.v)  # [1, Hq * D]
         out = torch.empty_like(q)  # [1, Hq * D]
         heads = (1, attn.num_heads, attn.head_dim)
         attn.backend.forward(q.view(heads), attn.kv_cache, ctx.attn_metadata[attn.layer_name],
-                             attn.scale, out.view(heads))
+                             attn.scale, out.view(heads), attn.kv_scales)
         o_proj = attn_block.o_proj
         h = gemv.linear_row(out, o_proj.weight, o_proj.bias, residual=h,
                             weight_scale=_weight_scale(o_proj))

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from pagedserve.attention.layer import Attention
+from pagedserve.attention.layer import Attention, attention_layers
 from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
@@ -30,12 +30,12 @@ from pagedserve.layers.linear import (
 from pagedserve.layers.logits import LogitsProcessor
 from pagedserve.layers.rotary import get_rope, rope_parameters_from_hf_config
 from pagedserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.model.kv_scales import CheckpointKVScales
 from pagedserve.model.weight_mapping import load_checkpoint_weights
 
-# Non-parameter tensors that some checkpoints carry; FP8 checkpoints' KV-cache scales too (the
-# KV cache is in the model's dtype).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
-                     ".k_scale", ".v_scale")
+# Non-parameter tensors that some checkpoints carry (KV-cache scales go to the attention
+# layers: model/kv_scales.py).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -279,8 +279,13 @@ class LlamaForCausalLM(nn.Module):
         return gemv_decode_forward(self, self.one_token_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names."""
-        return load_checkpoint_weights(self, weights, self._ignored_checkpoint_name)
+        """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names.
+        FP8 KV-cache scales go to the attention layers (``model/kv_scales.py``)."""
+        kv_scales = CheckpointKVScales()
+        loaded = load_checkpoint_weights(self, kv_scales.divert(weights),
+                                         self._ignored_checkpoint_name)
+        kv_scales.apply(attention_layers(self))
+        return loaded
 
     def _ignored_checkpoint_name(self, name: str) -> bool:
         if name.endswith(_IGNORED_SUFFIXES):
