@@ -34,7 +34,7 @@ ENGINES = {
                                      "--max-model-len", "4096"]),
 }
 ENGINE_ARGS = ["--gpu-memory-utilization", "0.9", "--max-num-seqs", "256"]
-WORKLOADS = {  # (bench command, its arguments); prompt counts keep the three engines ~6 min
+WORKLOADS = {  # (bench command, its arguments); prompt counts aim the three engines at ~6 min
     "b1": ("latency", ["--batch-size", "1", "--num-iters", "2"]),
     "t1000": ("throughput", ["--num-prompts", "1000", "--input-len", "1000",
                              "--output-len", "1000"]),

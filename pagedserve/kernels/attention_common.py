@@ -19,11 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.fp8_rows import saturate_to_fp8
 from pagedserve.kernels.interpreter_compat import INTERPRETING
 
 LOG2_E = 1.4426950408889634
-FP8_MAX: tl.constexpr = tl.constexpr(448.0)
-"""The largest finite float8_e4m3fn."""
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -36,7 +35,7 @@ def to_cache(x, scale, cache_ptr):
     cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
     y = x
     if cache_dtype == tl.float8e4nv:
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+        y = saturate_to_fp8(x.to(tl.float32) / scale)
     return y.to(cache_dtype)
 
 
