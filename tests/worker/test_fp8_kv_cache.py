@@ -44,11 +44,15 @@ def _cache(llm: LLM, layer: str) -> torch.Tensor:
 
 
 def test_fp8_cache_engine_agrees_with_an_fp32_cache(tiny_llama_dir: Path) -> None:
+    """Also against itself once its prompts' FP8 blocks are prefix-cache hits."""
     reference, _ = _generate(tiny_llama_dir)
     fp8, llm = _generate(tiny_llama_dir, kv_cache_dtype="fp8")
     assert _cache(llm, "0").dtype == FP8_KV_DTYPE
     assert all(len(out.token_ids) == PARAMS.max_tokens for out in fp8)
     assert_agree_where_they_part(reference, fp8)
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in again] == [out.token_ids for out in fp8]
+    assert llm.engine_core.scheduler.kv_cache_manager.prefix_cache_hits > 0
 
 
 def _with_kv_scales(model_dir: Path, folder: Path) -> Path:
