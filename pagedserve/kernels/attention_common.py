@@ -35,7 +35,7 @@ def to_cache(x, scale, cache_ptr):
     cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
     y = x
     if cache_dtype == tl.float8e4nv:
-        y = saturate_to_fp8(x.to(tl.float32) / scale)
+        y = saturate_to_fp8(tl.div_rn(x.to(tl.float32), scale))
     return y.to(cache_dtype)
 
 

@@ -3,7 +3,9 @@ activation for the FP8 linear layers that read it.
 
 ``quantize_row`` is ``layers/quantization/fp8_ops.quantize_rows`` for one row held by one
 program: the scale maps the row's largest magnitude to 448 (at least ``MIN_SCALE``), the
-values are divided by it, saturated and rounded to nearest even.
+values are divided by it, saturated and rounded to nearest even. Divisions are IEEE
+(``tl.div_rn``): Triton's ``/`` on fp32 compiles to an approximate division on the GPU, and the
+scales and bytes must be torch's.
 """
 
 from __future__ import annotations
@@ -26,4 +28,4 @@ def saturate_to_fp8(x):
 @triton.jit
 def row_scale(amax):
     """fp32 scale of a row whose largest magnitude is ``amax``."""
-    return tl.maximum(amax / FP8_MAX, MIN_SCALE)
+    return tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)

@@ -53,7 +53,7 @@ def _fused_add_rms_norm_kernel(
         out = out.to(dtype).to(tl.float32)  # the model-dtype row an FP8 layer would quantize
         scale = row_scale(tl.max(tl.abs(out), axis=0))
         tl.store(scale_ptr + row, scale)
-        out = saturate_to_fp8(out / scale)
+        out = saturate_to_fp8(tl.div_rn(out, scale))
     tl.store(out_ptr + row * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -53,7 +53,7 @@ def _silu_and_mul_fp8_kernel(
     for start in range(0, d, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < d
-        q = saturate_to_fp8(_gated(x_row, cols, mask, d, dtype) / scale)
+        q = saturate_to_fp8(tl.div_rn(_gated(x_row, cols, mask, d, dtype), scale))
         tl.store(out_ptr + row * d + cols, q, mask=mask)
 
 
