@@ -1,7 +1,6 @@
 """The headline GPU figures in one process (one engine start for the 8B workloads).
 
 ``python benchmarks/suite.py --out DIR [--sections tiny,b1,b64,t1024,t2048,warm,qwen3,t1000]``
-(``structured`` too, not by default: ``structured.py``'s three figures on the 8B engine)
 runs, on a CUDA machine, the project's own bench code (``pagedserve.entrypoints.bench``: the
 same functions ``pagedserve bench latency`` and ``pagedserve bench throughput`` call) on the
 Llama-3-8B shape with dummy bf16 weights, greedy: ``tiny`` (the fast path's greedy tokens equal
@@ -9,8 +8,9 @@ the CPU reference's on a tiny fp32 Llama), ``b1`` / ``b64`` (decode step at batc
 1024-token prompts), ``t1024`` / ``t2048`` / ``t1000`` (1000 prompts of 1024 in / 128 out,
 2048 / 128, 1000 / 1000; output tok/s, ratio to the roofline, and on NVIDIA cards the energy
 and output tokens per joule), ``warm`` (a warm start-up in a fresh process), ``qwen3`` (the
-Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy). Each result is one JSON line
-in DIR/suite.json; BENCHMARKS.md shows them.
+Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy). Not in the default
+sections: ``fp8`` runs FP8 against bf16 in engines of their own, first, on the whole card
+(``fp8_suite.py``); ``structured`` runs ``structured.py``'s three figures on the 8B engine. Each result is one JSON line in DIR/suite.json; BENCHMARKS.md shows them.
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite, work, wanted = Suite(out), Path(tempfile.mkdtemp()), args.sections.split(",")
+    if "fp8" in wanted:  # before any engine of this process holds the card's memory
+        from fp8_suite import run_all
+
+        suite.run("fp8", run_all, suite, out)
     llama = ["--model", model_dir(work, "llama-3-8b.json"), *COMMON]
     engine = [*llama, "--gpu-memory-utilization", "0.6", "--max-num-seqs", "256",
               "--one-token-step", args.one_token_step,
@@ -91,9 +95,11 @@ def main() -> None:
 
     if "tiny" in wanted:
         suite.run("tiny.async_greedy_equal", tiny_check, work)
-    start = time.perf_counter()
-    llm = suite.run("8b.start_cold", make_llm, bench_args(["latency", *engine]))
-    suite.log("8b.start_cold_s", seconds=round(time.perf_counter() - start, 1))
+    llm = None
+    if {"b1", "b64", "t1024", "t2048", "t1000"} & set(wanted):
+        start = time.perf_counter()
+        llm = suite.run("8b.start_cold", make_llm, bench_args(["latency", *engine]))
+        suite.log("8b.start_cold_s", seconds=round(time.perf_counter() - start, 1))
     workloads = {
         "b1": (latency, ["latency", *engine, "--batch-size", "1", "--num-iters", "2"]),
         "b64": (latency, ["latency", *engine, "--batch-size", "64", "--num-iters", "2"]),

@@ -82,6 +82,22 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+"""``kv_cache_dtype`` values other than auto, and the cache's element type."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """The KV cache's element type: the model's for ``auto``; float8_e4m3fn for ``fp8`` /
+    ``fp8_e4m3``, where the device has FP8 (``Platform.require_fp8``)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unknown {kv_cache_dtype!r} (auto, fp8, fp8_e4m3)")
+    platform_for(device).require_fp8("kv_cache_dtype")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 def usable_cpu_cores() -> int:
     """Cores this process may run on (its affinity mask, else the machine's count)."""
     try:
@@ -313,6 +329,10 @@ class Platform(abc.ABC):
         """The card's marketing name (None: no card)."""
 
     @abc.abstractmethod
+    def require_fp8(self, field: str) -> None:
+        """ValueError naming ``field`` where FP8 (e4m3 storage and arithmetic) cannot run."""
+
+    @abc.abstractmethod
     def fp8_linear_backend(self) -> Fp8Backend:
         """How FP8 linear layers compute here (``layers/quantization/fp8.py``): ``scaled_mm``
         on FP8 tensor cores, ``dequantize`` (FP8 storage, the matmul in the compute dtype).
@@ -402,6 +422,10 @@ class CpuPlatform(Platform):
         return (0, 0)
 
     def card_name(self) -> str | None:
+        return None
+
+    def require_fp8(self, field: str) -> None:
+        """torch's float8 dtypes exist on every CPU (FP8 storage, dequantized to compute)."""
         return None
 
     def fp8_linear_backend(self) -> Fp8Backend:
@@ -495,16 +519,20 @@ class CudaPlatform(Platform):
     def card_name(self) -> str | None:
         return torch.cuda.get_device_name(self.device)
 
-    def fp8_linear_backend(self) -> Fp8Backend:
-        """``scaled_mm`` from compute capability 8.9 (Ada, Hopper) on; older cards have no FP8
-        tensor cores and are refused."""
+    def require_fp8(self, field: str) -> None:
+        """From compute capability 8.9 (Ada, Hopper) on; older cards have no FP8 tensor cores
+        nor e4m3 conversions and are refused."""
         capability = self.compute_capability()
-        if capability >= FP8_MIN_CAPABILITY:
-            return "scaled_mm"
-        raise ValueError(
-            f"quantization: FP8 needs FP8 tensor cores (compute capability 8.9 or newer); "
-            f"{self.card_name()} is {capability[0]}.{capability[1]}"
-        )
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(
+                f"{field}: FP8 needs FP8 tensor cores (compute capability 8.9 or newer); "
+                f"{self.card_name()} is {capability[0]}.{capability[1]}"
+            )
+
+    def fp8_linear_backend(self) -> Fp8Backend:
+        """``scaled_mm``, where the card has FP8 (``require_fp8``)."""
+        self.require_fp8("quantization")
+        return "scaled_mm"
 
 
 _PLATFORMS: dict[str, type[Platform]] = {

@@ -16,7 +16,7 @@ from pagedserve.config import (
     SchedulerConfig,
     choices_of,
 )
-from pagedserve.platform import platform_for
+from pagedserve.platform import platform_for, resolve_kv_cache_dtype
 
 
 @pytest.mark.parametrize(
@@ -94,12 +94,22 @@ def test_compile_and_graphs_follow_the_platform(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_cache_dtype_auto_is_the_models_dtype(dtype: torch.dtype) -> None:
-    assert CacheConfig(kv_cache_dtype="auto").cache_dtype(dtype) is dtype
-    assert EngineConfig.from_kwargs().cache.cache_dtype(dtype) is dtype  # auto by default
+    cpu = torch.device("cpu")
+    assert resolve_kv_cache_dtype(CacheConfig(kv_cache_dtype="auto").kv_cache_dtype, dtype,
+                                  cpu) is dtype
+    assert EngineConfig.from_kwargs().cache.kv_cache_dtype == "auto"  # auto by default
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "bfloat16", "banana", ""])
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3"])
+def test_fp8_kv_cache_dtypes_are_e4m3(value: str) -> None:
+    config = EngineConfig.from_kwargs(kv_cache_dtype=value)
+    resolved = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, torch.bfloat16,
+                                      torch.device("cpu"))
+    assert resolved is torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "bfloat16", "banana", ""])
 def test_other_kv_cache_dtypes_are_refused_naming_the_field(value: str) -> None:
-    with pytest.raises(ValueError, match=f"^kv_cache_dtype: {value!r} is not supported yet; "
-                                         "supported: auto$"):
+    with pytest.raises(ValueError, match=f"^kv_cache_dtype: {value!r} is not supported; "
+                                         "supported: auto, fp8, fp8_e4m3$"):
         EngineConfig.from_kwargs(kv_cache_dtype=value)

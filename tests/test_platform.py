@@ -214,3 +214,18 @@ def test_fp8_linear_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
     with pytest.raises(ValueError, match=r"quantization: FP8 .*NVIDIA A100 is 8\.0"):
         cuda.fp8_linear_backend()
+
+
+def test_fp8_kv_cache_is_refused_on_a_gpu_without_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 resolves to float8_e4m3fn on the CPU and on an FP8 card; an older card is refused,
+    naming the field and the card."""
+    cpu = torch.device("cpu")
+    assert platform.resolve_kv_cache_dtype("fp8", torch.float32, cpu) is torch.float8_e4m3fn
+    monkeypatch.setattr(platform.CudaPlatform, "card_name", lambda self: "NVIDIA A100")
+    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 9))
+    resolved = platform.resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CUDA)
+    assert resolved is torch.float8_e4m3fn
+    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
+    assert platform.resolve_kv_cache_dtype("auto", torch.bfloat16, CUDA) is torch.bfloat16
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: FP8 .*NVIDIA A100 is 8\.0$"):
+        platform.resolve_kv_cache_dtype("fp8", torch.bfloat16, CUDA)

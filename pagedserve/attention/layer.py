@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.backends.base import AttentionBackend
+from pagedserve.attention.backends.base import UNIT_KV_SCALES, AttentionBackend, KVScales
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.forward_context import get_forward_context
 
@@ -35,6 +35,8 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by bind_kv_caches.
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = TorchRefBackend()
+        # Scales of an FP8 cache (the checkpoint's k_scale / v_scale, set at load; else 1.0).
+        self.kv_scales: KVScales = UNIT_KV_SCALES
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -107,7 +109,7 @@ def paged_attention(
     slot_mapping = ctx.slot_mapping[layer.layer_name]
     num_tokens = query.shape[0]
     query = layer.backend.rope_and_write_kv(
-        query, key, value, cos_sin, layer.kv_cache, slot_mapping
+        query, key, value, cos_sin, layer.kv_cache, slot_mapping, layer.kv_scales
     )  # rotated [T, Hq * D]
     layer.backend.forward(
         query.view(num_tokens, layer.num_heads, layer.head_dim),
@@ -115,6 +117,7 @@ def paged_attention(
         metadata,
         layer.scale,
         output.view(num_tokens, layer.num_heads, layer.head_dim),
+        layer.kv_scales,
     )
 
 

@@ -4,6 +4,13 @@ by the cache-writing kernels too).
 
 Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` and exponentiated
 with ``exp2``; the running maximum ``m`` and sum ``l`` are kept in fp32, in that domain.
+
+An FP8 cache (float8e4nv) is written as ``value / scale`` saturated to +-448 (``to_cache``)
+and read back in registers: its elements widen exactly to the dot's dtype, the keys' scale is
+folded into ``qk_scale`` on the host and the values' multiplies the output once
+(``scale_values``), which is ``(p @ (v * v_scale))`` up to rounding. Whether the cache is FP8
+is the cache pointer's element type, known at compile time, so a cache in the model's dtype
+compiles to the code it had without FP8.
 """
 
 from __future__ import annotations
@@ -12,11 +19,41 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.fp8_rows import saturate_to_fp8
 from pagedserve.kernels.interpreter_compat import INTERPRETING
 
 LOG2_E = 1.4426950408889634
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def to_cache(x, scale, cache_ptr):
+    """``x`` as the KV cache at ``cache_ptr`` stores it: in the cache's dtype; into an FP8 cache
+    ``x / scale`` saturated to +-448, rounded to nearest even (``attention/kv_quant.py``)."""
+    cache_dtype: tl.constexpr = cache_ptr.dtype.element_ty
+    y = x
+    if cache_dtype == tl.float8e4nv:
+        y = saturate_to_fp8(tl.div_rn(x.to(tl.float32), scale))
+    return y.to(cache_dtype)
+
+
+@triton.jit
+def scale_values(acc, v_scale, value_cache_ptr):
+    """``acc`` (sums of p * v over the cache's values) times the values' scale of an FP8 cache;
+    unchanged for a cache in the model's dtype."""
+    if value_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        acc = acc * v_scale
+    return acc
+
+
+def cache_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The (k_scale, v_scale) the kernels apply: the given ones for an FP8 cache; 1.0 for a
+    cache in the model's dtype, which holds the values themselves."""
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        return k_scale, v_scale
+    return 1.0, 1.0
 
 
 @triton.jit
@@ -61,6 +98,7 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    P_DTYPE: tl.constexpr,  # the query's dtype: the probabilities are rounded to it
     MASKED: tl.constexpr,  # False: every key of every tile exists and every row sees it
 ):
     """Online-softmax steps over the key tiles ``[t, t + TILE_N)`` for ``t`` from
@@ -93,8 +131,8 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_head_ptr + v_row[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        # p is rounded to the cache dtype, as the GPU multiplies it (a no-op cast there).
-        p = p.to(v.dtype).to(DOT_DTYPE)
+        # p is rounded to the query's dtype, as the GPU multiplies it (a no-op cast there).
+        p = p.to(P_DTYPE).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -127,6 +165,7 @@ def attend_kv_range(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    P_DTYPE: tl.constexpr,
 ):
     """Fold keys ``[kv_start, kv_end)`` of one request and one kv head into (acc, m_i, l_i).
 
@@ -144,13 +183,13 @@ def attend_kv_range(
         acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
         kv_start, full_end, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, False,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE, False,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
         full_end, kv_end, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, True,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE, True,
     )  # fmt: skip
     return acc, m_i, l_i
 
@@ -162,6 +201,11 @@ def dot_operand_dtype(tensor: torch.Tensor) -> tl.dtype:
     if INTERPRETING and tensor.dtype == torch.bfloat16:
         return tl.float32
     return _TL_DTYPES[tensor.dtype]
+
+
+def query_dtype(query: torch.Tensor) -> tl.dtype:
+    """The query's dtype in Triton's terms (the kernels' ``P_DTYPE``)."""
+    return _TL_DTYPES[query.dtype]
 
 
 def dot_precision(dtype: tl.dtype) -> str:
@@ -201,9 +245,10 @@ def check_attention_args(
         raise ValueError(
             f"output: shape {tuple(output.shape)} differs from query {tuple(query.shape)}"
         )
-    if query.dtype not in _TL_DTYPES or kv_cache.dtype != query.dtype:
+    if query.dtype not in _TL_DTYPES or kv_cache.dtype not in (query.dtype, FP8_KV_DTYPE):
         raise ValueError(
-            f"query/kv_cache: dtypes {query.dtype}/{kv_cache.dtype} (need one of fp32/bf16/fp16)"
+            f"query/kv_cache: dtypes {query.dtype}/{kv_cache.dtype} (need one of fp32/bf16/fp16, "
+            "the cache in the same or float8_e4m3fn)"
         )
     if query.stride(2) != 1 or output.stride(2) != 1:
         raise ValueError("query/output: the head_dim axis must be contiguous")

@@ -11,7 +11,9 @@ its weight rows once and does the small work before and after it:
 - epilogue: residual add (o_proj, down_proj), SiLU(gate) * up (gate_up_proj: the program
   owning output ``n`` reads weight rows ``n`` and ``n + I``), or rotary embedding plus the KV
   write (qkv_proj: the program owning dimension pair ``(j, j + D/2)`` of a head rotates it and
-  stores queries to ``q_out``, keys and values straight into the paged cache).
+  stores queries to ``q_out``, keys and values straight into the paged cache; an FP8 cache
+  gets them divided by its ``k_scale`` / ``v_scale`` and saturated, as
+  ``kernels/rope_kv_write.py`` writes them).
 
 ``x`` is one row [1, K] (a decode step of one token: batch 1); weights are nn.Linear's [N, K],
 row-major, in x's dtype, or float8_e4m3fn with an fp32 ``weight_scale`` per row (FP8 weights:
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_common import check_kv_cache
+from pagedserve.kernels.attention_common import FP8_KV_DTYPE, cache_scales, check_kv_cache, to_cache
 from pagedserve.kernels.interpreter_compat import INTERPRETING
 from pagedserve.platform import platform_for
 
@@ -78,6 +80,8 @@ def _gemv_kernel(
     K,
     N_out,  # output columns (STORE, SILU_MUL: also the row offset of the up half)
     eps,
+    k_scale,  # an FP8 cache's scales (ROPE_KV; unused for a cache in the model's dtype)
+    v_scale,
     stride_cache_kv,
     stride_cache_block,
     stride_cache_off,
@@ -182,8 +186,9 @@ def _gemv_kernel(
                        + (slot // BLOCK_SIZE) * stride_cache_block
                        + (slot % BLOCK_SIZE) * stride_cache_off + (kv_head % NUM_KV) * HEAD_DIM
                        + j)
-                tl.store(dst, a.to(dtype))
-                tl.store(dst + HALF, b.to(dtype))
+                kv_scale = tl.where(kv_head < NUM_KV, k_scale, v_scale)
+                tl.store(dst, to_cache(a.to(dtype), kv_scale, dst))
+                tl.store(dst + HALF, to_cache(b.to(dtype), kv_scale, dst))
 
 
 @dataclass(frozen=True)
@@ -273,8 +278,10 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
     if rope is None:
         cos_sin = positions = slots = cache = out
         block_size, num_q, num_kv, head_dim, cache_strides = 1, 1, 1, 2, (0, 0, 0)
+        kv_scales = (1.0, 1.0)
     else:
-        cos_sin, positions, slots, cache, num_q, num_kv, head_dim = rope
+        cos_sin, positions, slots, cache, num_q, num_kv, head_dim, k_scale, v_scale = rope
+        kv_scales = cache_scales(cache, k_scale, v_scale)
         block_size = cache.shape[2]
         cache_strides = (cache.stride(0), cache.stride(1), cache.stride(2))
         if (head_dim // 2) % cfg.block_n:
@@ -286,7 +293,7 @@ def _launch(num_cols: int, x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
         out if weight_scale is None else weight_scale,
         out if residual is None else residual,
         out if norm_weight is None else norm_weight,
-        cos_sin, positions, slots, cache, k, n_out, eps, *cache_strides,
+        cos_sin, positions, slots, cache, k, n_out, eps, *kv_scales, *cache_strides,
         BLOCK_SIZE=block_size, NUM_Q=num_q, NUM_KV=num_kv, HEAD_DIM=head_dim,
         EPILOGUE=epilogue, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_SCALE=weight_scale is not None, ADD_RESIDUAL=residual is not None,
@@ -341,16 +348,19 @@ def rmsnorm_qkv_rope_kv_write(
     config: GemvConfig | None = None,
     *,
     weight_scale: torch.Tensor | None = None,  # fp32 [rows of qkv_weight]: as linear_row's
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Queries [1, NUM_Q * D], rotated; the key (rotated) and value land in ``kv_cache``."""
+    """Queries [1, NUM_Q * D], rotated; the key (rotated) and value land in ``kv_cache`` (an FP8
+    cache's divided by ``k_scale`` / ``v_scale``)."""
     _check_row(x, qkv_weight, weight_scale)
     check_kv_cache(kv_cache)
     num_kv, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     if qkv_weight.shape[0] != (num_heads + 2 * num_kv) * head_dim:
         raise ValueError(f"qkv_weight: {qkv_weight.shape[0]} rows, expected "
                          f"({num_heads} + 2 * {num_kv}) * {head_dim}")
-    if not kv_cache.is_contiguous() or kv_cache.dtype != x.dtype:
-        raise ValueError("kv_cache: must be contiguous and of x's dtype")
+    if not kv_cache.is_contiguous() or kv_cache.dtype not in (x.dtype, FP8_KV_DTYPE):
+        raise ValueError("kv_cache: must be contiguous and of x's dtype or float8_e4m3fn")
     if cos_sin_cache.shape[1] != head_dim or not cos_sin_cache.is_contiguous():
         raise ValueError(f"cos_sin_cache: expected contiguous [max_position, {head_dim}]")
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
@@ -359,5 +369,5 @@ def rmsnorm_qkv_rope_kv_write(
     _launch(qkv_weight.shape[0] // 2, x, qkv_weight, q, 0, EPILOGUE_ROPE_KV, config,
             bias=bias, norm_weight=norm_weight, eps=eps,
             rope=(cos_sin_cache, positions, slot_mapping, kv_cache, num_heads, num_kv,
-                  head_dim), weight_scale=weight_scale)
+                  head_dim, k_scale, v_scale), weight_scale=weight_scale)
     return q

@@ -23,8 +23,11 @@ import triton.language as tl
 from pagedserve.kernels.attention_common import (
     LOG2_E,
     attend_kv_range,
+    cache_scales,
     dot_operand_dtype,
     dot_precision,
+    query_dtype,
+    scale_values,
 )
 
 # Rows of one program's query tile (query rows x grouped heads) for prefill-sized queries.
@@ -59,7 +62,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]
     num_reqs,
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) * the keys' FP8 scale
+    v_scale,  # the values' FP8 scale (unused for a cache in the model's dtype)
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -80,6 +84,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    P_DTYPE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block_global = tl.program_id(0)
@@ -114,8 +119,9 @@ def _paged_attention_kernel(
         0, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_kc_head,
         stride_vc_block, stride_vc_off, stride_vc_head,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE,
     )  # fmt: skip
+    acc = scale_values(acc, v_scale, value_cache_ptr)
     # A row that saw no key (only under malformed metadata: seq_len < query_len) writes 0, not NaN.
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     o_off = token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
@@ -176,8 +182,11 @@ def paged_attention(
     scale: float,
     output: torch.Tensor,  # [num_tokens, num_heads, head_dim] (out)
     launch: KeyLoopLaunch = DEFAULT_LAUNCH,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal varlen attention over the paged cache; writes ``output[:num_actual_tokens]`` only.
+    ``k_scale`` / ``v_scale``: an FP8 cache's scales (ignored for one in the model's dtype).
 
     Arguments are trusted (the backend checks them); all sizes are host-known ints.
     """
@@ -191,16 +200,17 @@ def paged_attention(
     block_m = launch.query_rows(max_query_len, group_pad)
     block_q = block_m // group_pad
     dot_dtype = dot_operand_dtype(query)
+    k_scale, v_scale = cache_scales(kv_cache, k_scale, v_scale)
     grid = (num_actual_tokens // block_q + num_reqs, key_cache.shape[2])
     _paged_attention_kernel[grid](
         output, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        num_reqs, scale * LOG2_E,
+        num_reqs, scale * LOG2_E * k_scale, v_scale,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, TILE_N=launch.tile(head_dim_pad),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=query_dtype(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip

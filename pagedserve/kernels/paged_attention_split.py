@@ -26,8 +26,11 @@ import triton.language as tl
 from pagedserve.kernels.attention_common import (
     LOG2_E,
     attend_kv_range,
+    cache_scales,
     dot_operand_dtype,
     dot_precision,
+    query_dtype,
+    scale_values,
 )
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch
 
@@ -55,7 +58,8 @@ def _split_kv_kernel(
     block_table_ptr,  # int32 [num_reqs, max_num_blocks_per_req]
     seq_lens_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) * the keys' FP8 scale
+    v_scale,  # the values' FP8 scale (unused for a cache in the model's dtype)
     num_splits,
     stride_q_tok,
     stride_q_head,
@@ -77,6 +81,7 @@ def _split_kv_kernel(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    P_DTYPE: tl.constexpr,
 ):
     """One program per item (request, kv head, segment), segment fastest: the decode row of
     every q head of the kv head against the segment's keys. It writes the normalized output when
@@ -114,8 +119,9 @@ def _split_kv_kernel(
             kv_head, kv_start, kv_end, qk_scale,
             stride_kc_block, stride_kc_off, stride_kc_head,
             stride_vc_block, stride_vc_off, stride_vc_head,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE,
         )  # fmt: skip
+        acc = scale_values(acc, v_scale, value_cache_ptr)
         if num_splits == 1:
             o_off = token * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
             out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # 0 if no keys
@@ -183,11 +189,14 @@ def paged_attention_split_kv(
     output: torch.Tensor,  # [num_tokens, num_heads, head_dim] (out)
     num_splits: int,
     launch: KeyLoopLaunch = DEFAULT_LAUNCH,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Decode attention (max_query_len <= 1) with each request's keys split into ``num_splits``
     (1 to ``MAX_NUM_SPLITS``) parallel segments. Writes only the rows ``query_start_loc[i]`` of
     requests with a query row. Every split count runs the same compiled kernels; one segment
-    needs no reduce kernel."""
+    needs no reduce kernel. ``k_scale`` / ``v_scale``: an FP8 cache's scales (ignored for one
+    in the model's dtype); the segments' partial outputs are already scaled."""
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_splits: must be in 1..{MAX_NUM_SPLITS}, got {num_splits}")
     if num_reqs == 0:
@@ -198,6 +207,7 @@ def paged_attention_split_kv(
     head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     tile_n = launch.tile(head_dim_pad)
     dot_dtype = dot_operand_dtype(query)
+    k_scale, v_scale = cache_scales(kv_cache, k_scale, v_scale)
     stats_shape = (num_reqs, num_heads, num_splits)
     device = query.device
     # fp32 [num_reqs, num_heads, num_splits, head_dim_pad]: unnormalized segment outputs
@@ -207,7 +217,7 @@ def paged_attention_split_kv(
     _split_kv_kernel[(num_reqs * key_cache.shape[2] * num_splits,)](
         output, partial_out, partial_max, partial_sum,
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        scale * LOG2_E, num_splits,
+        scale * LOG2_E * k_scale, v_scale, num_splits,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -215,7 +225,7 @@ def paged_attention_split_kv(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
         TILE_N=tile_n,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=query_dtype(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits == 1:

@@ -5,6 +5,10 @@ and of the keys, then the cache scatter); this kernel reads each token's q, k, v
 once, writes the rotated queries to a new buffer and the rotated keys and the values into the
 paged cache through the slot mapping (PAD_SLOT_ID rows write no cache entry).
 
+Into an FP8 cache the rotated keys and the values go as ``value / scale`` (one scale for the
+keys, one for the values), saturated to +-448 and rounded to nearest even, byte for byte as
+``attention/kv_quant.py``; the keys are rounded to the model dtype first, as there.
+
 Neox-style rotation as ``layers/rotary.py``, with the same rounding steps as that torch code
 run eagerly in the model dtype: each product rounded, then each sum. Under the interpreter the
 results are bit-equal to it; compiled for a GPU, some differ by one rounding step, in fp32
@@ -18,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.attention_common import check_kv_cache
+from pagedserve.kernels.attention_common import FP8_KV_DTYPE, cache_scales, check_kv_cache, to_cache
 
 
 @triton.jit
@@ -43,6 +47,8 @@ def _rope_kv_write_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # int64 [>= num_tokens]
+    k_scale,  # an FP8 cache's scales (unused for a cache in the model's dtype)
+    v_scale,
     stride_q_tok,
     stride_k_tok,
     stride_v_tok,
@@ -89,13 +95,13 @@ def _rope_kv_write_kernel(
     k1, k2 = _rotate(tl.load(k_row, mask=kv_mask), tl.load(k_row + half, mask=kv_mask), cos, sin)
     kc = key_cache_ptr + block * stride_kc_block + offset * stride_kc_off
     kc += kv_heads * stride_kc_head + dims
-    tl.store(kc, k1, mask=kv_mask)
-    tl.store(kc + half, k2, mask=kv_mask)
+    tl.store(kc, to_cache(k1, k_scale, kc), mask=kv_mask)
+    tl.store(kc + half, to_cache(k2, k_scale, kc), mask=kv_mask)
     v_row = value_ptr + token * stride_v_tok + kv_heads * HEAD_DIM + dims
     vc = value_cache_ptr + block * stride_vc_block + offset * stride_vc_off
     vc += kv_heads * stride_vc_head + dims
-    tl.store(vc, tl.load(v_row, mask=kv_mask), mask=kv_mask)
-    tl.store(vc + half, tl.load(v_row + half, mask=kv_mask), mask=kv_mask)
+    tl.store(vc, to_cache(tl.load(v_row, mask=kv_mask), v_scale, vc), mask=kv_mask)
+    tl.store(vc + half, to_cache(tl.load(v_row + half, mask=kv_mask), v_scale, vc), mask=kv_mask)
 
 
 def _check(
@@ -114,8 +120,11 @@ def _check(
         raise ValueError(f"query: expected [num_tokens, num_heads * {head_dim}], got {tuple(query.shape)}")
     if cos_sin.shape != (num_tokens, head_dim):
         raise ValueError(f"cos_sin: expected [{num_tokens}, {head_dim}], got {tuple(cos_sin.shape)}")
-    if any(t.dtype != kv_cache.dtype for t in (query, key, value)):
-        raise ValueError(f"query/key/value: dtype must be the cache's {kv_cache.dtype}")
+    if any(t.dtype != query.dtype for t in (key, value)) or kv_cache.dtype not in (
+        query.dtype, FP8_KV_DTYPE
+    ):
+        raise ValueError(f"query/key/value: dtype must be one, the cache's ({kv_cache.dtype}) "
+                         "unless the cache is float8_e4m3fn")
     if any(t.stride(1) != 1 for t in (query, key, value, cos_sin)):
         raise ValueError("query/key/value/cos_sin: the feature axis must be contiguous")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < num_tokens:
@@ -132,9 +141,12 @@ def rope_and_write_kv(
     cos_sin: torch.Tensor,  # [num_tokens, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # int64 [>= num_tokens]
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The rotated queries ([num_tokens, num_heads * head_dim], a new buffer); the rotated keys
-    and the values land in ``kv_cache`` at each token's slot. One program per token."""
+    and the values land in ``kv_cache`` at each token's slot (an FP8 cache's divided by
+    ``k_scale`` / ``v_scale``). One program per token."""
     _check(query, key, value, cos_sin, kv_cache, slot_mapping)
     num_tokens = query.shape[0]
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -143,8 +155,10 @@ def rope_and_write_kv(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_heads = query.shape[1] // head_dim
+    k_scale, v_scale = cache_scales(kv_cache, k_scale, v_scale)
     _rope_kv_write_kernel[(num_tokens,)](
         query, key, value, cos_sin, query_out, key_cache, value_cache, slot_mapping,
+        k_scale, v_scale,
         query.stride(0), key.stride(0), value.stride(0), cos_sin.stride(0), query_out.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

@@ -14,7 +14,9 @@ model declares them (``one_token_layers`` in ``model/llama.py``), and a layer of
 
 FP8 weights (both FP8 linear methods) are read as they are stored, half the bytes, each output
 row times its scale; the activations stay in the compute dtype (the compiled forward's FP8
-GEMMs quantize them per token, so the two agree to FP8 rounding of the activations).
+GEMMs quantize them per token, so the two agree to FP8 rounding of the activations). An FP8
+KV cache is written by the QKV kernel with the layer's k/v scales and read by the attention
+backend, as in the compiled forward.
 
 Residual stream: the compiled forward carries (sublayer output, residual) and adds them in the
 next norm; here the residual add happens in the epilogue of o_proj and down_proj, so ``h``
@@ -44,17 +46,18 @@ logger = logging.getLogger(__name__)
 
 
 def _foreign_layer(layer: nn.Module, types: LayerTypes) -> str | None:
-    """The first part of ``layer`` whose class is not exactly the one in ``types``."""
-    parts = (("decoder layer", layer, types.decoder_layer),
-             ("attention", getattr(layer, "self_attn", None), types.attention),
-             ("MLP", getattr(layer, "mlp", None), types.mlp),
+    """The first part of ``layer`` whose class is not exactly one in ``types``."""
+    parts = (("decoder layer", layer, (types.decoder_layer,)),
+             ("attention", getattr(layer, "self_attn", None), (types.attention,)),
+             ("MLP", getattr(layer, "mlp", None), (types.mlp,)),
              ("input_layernorm", getattr(layer, "input_layernorm", None), types.norm),
              ("post_attention_layernorm", getattr(layer, "post_attention_layernorm", None),
               types.norm))
     for what, module, expected in parts:
-        if type(module) is not expected:
-            return (f"{what} {type(module).__name__} is not {expected.__name__}, the type the "
-                    "fused kernels were written for")
+        if type(module) not in expected:
+            names = " or ".join(t.__name__ for t in expected)
+            return (f"{what} {type(module).__name__} is not {names}, the type the fused "
+                    "kernels were written for")
     return None
 
 
@@ -145,11 +148,12 @@ class GemvDecodeForward:
         q = gemv.rmsnorm_qkv_rope_kv_write(
             h, norm.weight, norm.eps, qkv.weight, qkv.bias, self.cos_sin_cache, positions,
             ctx.slot_mapping[attn.layer_name], attn.kv_cache, attn.num_heads,
-            weight_scale=_weight_scale(qkv))  # [1, Hq * D]
+            weight_scale=_weight_scale(qkv), k_scale=attn.kv_scales.k,
+            v_scale=attn.kv_scales.v)  # [1, Hq * D]
         out = torch.empty_like(q)  # [1, Hq * D]
         heads = (1, attn.num_heads, attn.head_dim)
         attn.backend.forward(q.view(heads), attn.kv_cache, ctx.attn_metadata[attn.layer_name],
-                             attn.scale, out.view(heads))
+                             attn.scale, out.view(heads), attn.kv_scales)
         o_proj = attn_block.o_proj
         h = gemv.linear_row(out, o_proj.weight, o_proj.bias, residual=h,
                             weight_scale=_weight_scale(o_proj))

@@ -16,9 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from pagedserve.attention.layer import Attention
+from pagedserve.attention.layer import Attention, attention_layers
 from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup
-from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import (
     UNQUANTIZED,
@@ -28,14 +27,19 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.layers.logits import LogitsProcessor
+from pagedserve.layers.quantization.fp8_activations import (
+    PLAIN_INPUT_LAYERS,
+    Fp8RMSNorm,
+    InputLayers,
+)
 from pagedserve.layers.rotary import get_rope, rope_parameters_from_hf_config
 from pagedserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.model.kv_scales import CheckpointKVScales
 from pagedserve.model.weight_mapping import load_checkpoint_weights
 
-# Non-parameter tensors that some checkpoints carry; FP8 checkpoints' KV-cache scales too (the
-# KV cache is in the model's dtype).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
-                     ".k_scale", ".v_scale")
+# Non-parameter tensors that some checkpoints carry (KV-cache scales go to the attention
+# layers: model/kv_scales.py).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -48,6 +52,13 @@ def head_dim_of(hf_config: Any) -> int:
 
 def num_kv_heads_of(hf_config: Any) -> int:
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def input_layers(linear_method: LinearMethod) -> InputLayers:
+    """The norm and activation classes whose outputs ``linear_method``'s layers read: FP8
+    linear methods name theirs (FP8-writing ones before per-token FP8 GEMMs); the plain ones
+    otherwise."""
+    return getattr(linear_method, "input_layers", PLAIN_INPUT_LAYERS)
 
 
 class LlamaMLP(nn.Module):
@@ -66,7 +77,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [inter, inter], bias, dtype, device, tp.rank, tp.size, linear_method
         )
-        self.act_fn = SiluAndMul(device)
+        self.act_fn = input_layers(linear_method).activation(device)
         self.down_proj = RowParallelLinear(
             inter, hidden, bias, dtype, device, tp.rank, tp.size, tp.all_reduce, linear_method
         )
@@ -149,8 +160,9 @@ class LlamaDecoderLayer(nn.Module):
             hf_config, f"{prefix}.self_attn", dtype, device, tp, linear_method
         )
         self.mlp = LlamaMLP(hf_config, dtype, device, tp, linear_method)
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        norm = input_layers(linear_method).norm  # its output goes to qkv_proj / gate_up_proj
+        self.input_layernorm = norm(hidden, eps, dtype, device)
+        self.post_attention_layernorm = norm(hidden, eps, dtype, device)
 
     def forward(
         self, cos_sin: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -216,10 +228,11 @@ class LayerTypes(NamedTuple):
     decoder_layer: type[nn.Module]
     attention: type[nn.Module]
     mlp: type[nn.Module]
-    norm: type[nn.Module]
+    norm: tuple[type[nn.Module], ...]
+    """Either norm: the one-token forward reads its weight and eps, not its output."""
 
 
-LLAMA_LAYERS = LayerTypes(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm)
+LLAMA_LAYERS = LayerTypes(LlamaDecoderLayer, LlamaAttention, LlamaMLP, (RMSNorm, Fp8RMSNorm))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -279,8 +292,13 @@ class LlamaForCausalLM(nn.Module):
         return gemv_decode_forward(self, self.one_token_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names."""
-        return load_checkpoint_weights(self, weights, self._ignored_checkpoint_name)
+        """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names.
+        FP8 KV-cache scales go to the attention layers (``model/kv_scales.py``)."""
+        kv_scales = CheckpointKVScales()
+        loaded = load_checkpoint_weights(self, kv_scales.divert(weights),
+                                         self._ignored_checkpoint_name)
+        kv_scales.apply(attention_layers(self))
+        return loaded
 
     def _ignored_checkpoint_name(self, name: str) -> bool:
         if name.endswith(_IGNORED_SUFFIXES):

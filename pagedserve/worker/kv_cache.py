@@ -11,6 +11,9 @@ On the CPU a context that does not fit the budget is shortened to what fits, wit
 (``fit_max_model_len``), so that a first run on a small machine works; and the cache's zeros
 come from the kernel's zero pages (``Platform.zeros``), so a large budget costs memory
 only as requests fill it.
+
+An FP8 cache (``kv_cache_dtype`` fp8) takes one byte per element, so the same budget holds
+twice the blocks of a bf16 one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 
 import torch
 
+from pagedserve.attention.backends.base import FP8_KV_DTYPE, UNIT_KV_SCALES
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import log_phase
 from pagedserve.math_utils import cdiv
@@ -80,6 +84,21 @@ def fit_max_model_len(max_model_len: int, budget_bytes: int, bytes_per_block: in
         "context, or --max-model-len to choose)", max_model_len, fitting, budget_bytes / _GIB,
         (cdiv(max_model_len, block_size) + 1) * bytes_per_block / _GIB + 0.05)
     return fitting
+
+
+def log_kv_cache_dtype(layers: dict[str, Attention], dtype: torch.dtype) -> None:
+    """For an FP8 cache, one line saying where its scales come from: the checkpoint's
+    k_scale / v_scale, or 1.0 for the layers that have none (``model/kv_scales.py``)."""
+    if dtype != FP8_KV_DTYPE:
+        return
+    without = [name for name, layer in layers.items() if layer.kv_scales is UNIT_KV_SCALES]
+    if not without:
+        logger.info("FP8 KV cache (e4m3): k/v scales from the checkpoint for all %d layers",
+                    len(layers))
+        return
+    logger.info("FP8 KV cache (e4m3): the checkpoint has no k_scale / v_scale for %d of %d "
+                "layers; they use 1.0 (values beyond +-448 saturate)", len(without),
+                len(layers))
 
 
 def kv_bytes_per_block(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> int:

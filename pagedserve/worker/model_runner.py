@@ -30,7 +30,7 @@ from pagedserve.core.sched_output import (
 )
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
-from pagedserve.platform import platform_for, resolve_dtype
+from pagedserve.platform import platform_for, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.sample import Sampler, SamplerOutput
 from pagedserve.structured_output.bitmask import GrammarBitmask, TokenBitmaskApplier
 from pagedserve.worker import kv_cache
@@ -74,7 +74,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = resolve_dtype(config.model.dtype, device)
-        self.kv_cache_dtype = config.cache.cache_dtype(self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
+                                                     device)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -107,6 +108,7 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_id = _first_eos(self.hf_config)
         self.attn_layers = attention_layers(self.model)
+        kv_cache.log_kv_cache_dtype(self.attn_layers, self.kv_cache_dtype)
         if not self.platform.kv_budget_from_memory:
             self.max_model_len = self._fit_cpu_context(self.max_model_len)
         # The model's shape decides an unset budget_step_graph (the buffers' sizes do not

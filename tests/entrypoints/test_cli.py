@@ -134,8 +134,8 @@ def test_help_lists_the_commands():
         (["generate", "hi", "--block-size", "3"], "block_size"),
         (["generate", "hi", "--request-seed", "-1"], "seed must be in [0, 2**63)"),
         (["generate", "hi", "--load-format", "zip"], "invalid choice"),
-        (["generate", "hi", "--kv-cache-dtype", "fp8"],
-         "kv_cache_dtype: 'fp8' is not supported yet; supported: auto"),
+        (["generate", "hi", "--kv-cache-dtype", "fp8_e5m2"],
+         "kv_cache_dtype: 'fp8_e5m2' is not supported; supported: auto, fp8, fp8_e4m3"),
         (["frobnicate"], "invalid choice"),
     ],
 )

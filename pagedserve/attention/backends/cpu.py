@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.backends.base import KVScales
 from pagedserve.attention.backends.cpu_native import (
     PagedDecodeKernel,
     has_copy_for,
@@ -31,8 +32,10 @@ class CpuBackend(TorchRefBackend):
         plan: _DecodePlan,
         scale: float,
         output: torch.Tensor,  # [num_tokens, Hq, D]
+        kv_scales: KVScales,
     ) -> None:
         if not (has_copy_for(query.dtype, kv_cache.dtype) and heads_packed(query)):
-            super()._decode(query, kv_cache, plan, scale, output)  # fp16, odd strides
+            # fp16, an FP8 cache, odd strides
+            super()._decode(query, kv_cache, plan, scale, output, kv_scales)
             return
         self.kernel(query, kv_cache, plan.rows, plan.block_table, plan.seq_lens, scale, output)

@@ -17,6 +17,9 @@ alone. How it is made fast on the CPU (these costs are per layer and step, 64 re
     3-D inputs take a slower path);
   - the batch layout derived from the metadata (host lists, gather indices, masks) is built
     once per step: one metadata object is shared by every layer of the step.
+
+An FP8 cache is quantized as it is written and dequantized into the query's dtype right after
+its blocks are gathered (``attention/kv_quant.py``); the attention math is the same.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.backends.base import AttentionMetadata
+from pagedserve.attention.backends.base import (
+    FP8_KV_DTYPE,
+    UNIT_KV_SCALES,
+    AttentionMetadata,
+    KVScales,
+)
+from pagedserve.attention.kv_quant import kv_from_cache, to_cache
 from pagedserve.layers.rotary import rotate_neox
 from pagedserve.math_utils import cdiv
 
@@ -79,9 +88,11 @@ class TorchRefBackend:
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        """Scatter the step's keys and values into the cache; rows with slot -1 write nothing
-        (the cache write of ``rope_and_write_kv``; tests fill caches with it too)."""
+        """Scatter the step's keys and values into the cache (quantized, into an FP8 one);
+        rows with slot -1 write nothing (the cache write of ``rope_and_write_kv``; tests fill
+        caches with it too)."""
         if slot_mapping.shape[0] != key.shape[0]:
             raise ValueError(
                 f"slot_mapping: {slot_mapping.shape[0]} entries for {key.shape[0]} key rows"
@@ -89,8 +100,12 @@ class TorchRefBackend:
         valid = slot_mapping >= 0  # bool [num_tokens]; PAD_SLOT_ID rows write nothing
         if not bool(valid.all()):  # host-side check (a sync on GPUs: this is the reference)
             slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-        kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        key = to_cache(key, kv_cache.dtype, kv_scales.k)
+        value = to_cache(value, kv_cache.dtype, kv_scales.v)
+        if kv_cache.dtype == FP8_KV_DTYPE:  # CPU torch has no float8 index_copy_: the bytes
+            kv_cache, key, value = (t.view(torch.uint8) for t in (kv_cache, key, value))
+        kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key)
+        kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value)
 
     def rope_and_write_kv(
         self,
@@ -100,10 +115,12 @@ class TorchRefBackend:
         cos_sin: torch.Tensor,  # [num_tokens, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         query, key = rotate_neox(cos_sin, query, key)
         kv_shape = (key.shape[0], kv_cache.shape[3], kv_cache.shape[4])
-        self.write_kv(key.view(kv_shape), value.reshape(kv_shape), kv_cache, slot_mapping)
+        self.write_kv(key.view(kv_shape), value.reshape(kv_shape), kv_cache, slot_mapping,
+                      kv_scales)
         return query
 
     def forward(
@@ -113,12 +130,14 @@ class TorchRefBackend:
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
         plan = self._plan(metadata, kv_cache.shape[2], query.device)
         if plan.decode is not None:
-            self._decode(query, kv_cache, plan.decode, scale, output)
+            self._decode(query, kv_cache, plan.decode, scale, output, kv_scales)
         for prefill in plan.prefills:
-            output[prefill.rows] = _prefill(query, kv_cache, prefill, scale, metadata.causal)
+            output[prefill.rows] = _prefill(query, kv_cache, prefill, scale, metadata.causal,
+                                            kv_scales)
 
     def _decode(
         self,
@@ -127,9 +146,10 @@ class TorchRefBackend:
         plan: _DecodePlan,
         scale: float,
         output: torch.Tensor,  # [num_tokens, Hq, D]
+        kv_scales: KVScales,
     ) -> None:
         """Every decoding request's row at once (a subclass replaces this with a kernel)."""
-        output[plan.rows] = _padded_decode(query, kv_cache, plan, scale)
+        output[plan.rows] = _padded_decode(query, kv_cache, plan, scale, kv_scales)
 
     def _plan(
         self, metadata: AttentionMetadata, block_size: int, device: torch.device
@@ -202,9 +222,12 @@ def _prefix_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Te
     return key_pos[None, :] <= query_pos[:, None]  # bool [query_len, seq_len]
 
 
-def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[2, len(block_ids), block_size, Hkv, D]: the blocks' keys and values, in order."""
-    return kv_cache.index_select(1, block_ids)
+def _gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, kv_scales: KVScales
+) -> torch.Tensor:
+    """[2, len(block_ids), block_size, Hkv, D]: the blocks' keys and values, in order, in
+    ``dtype`` (an FP8 cache's dequantized)."""
+    return kv_from_cache(kv_cache.index_select(1, block_ids), dtype, kv_scales)
 
 
 def _padded_decode(
@@ -212,11 +235,12 @@ def _padded_decode(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     plan: _DecodePlan,
     scale: float,
+    kv_scales: KVScales,
 ) -> torch.Tensor:
     """[n, Hq, D]: one query row per request over its keys, padded and masked by length."""
     n = plan.rows.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    kv = _gather_blocks(kv_cache, plan.block_ids).to(query.dtype)
+    kv = _gather_blocks(kv_cache, plan.block_ids, query.dtype, kv_scales)
     kv = kv.view(2, n, plan.num_blocks * block_size, num_kv_heads, head_dim)[:, :, : plan.max_len]
     # The query heads of one KV head as rows of that head: [n, Hkv, G, D].
     q = query[plan.rows].view(n, num_kv_heads, -1, head_dim)
@@ -236,9 +260,10 @@ def _prefill(
     plan: _PrefillPlan,
     scale: float,
     causal: bool,
+    kv_scales: KVScales,
 ) -> torch.Tensor:
     """[query_len, Hq, D] for one request's query rows over its first seq_len keys."""
-    kv = _gather_blocks(kv_cache, plan.block_ids).to(query.dtype)
+    kv = _gather_blocks(kv_cache, plan.block_ids, query.dtype, kv_scales)
     kv = kv.flatten(1, 2)[:, : plan.seq_len]  # [2, seq_len, Hkv, D]
     out = F.scaled_dot_product_attention(
         query[plan.rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, query_len, D]

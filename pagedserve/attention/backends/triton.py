@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.backends.base import AttentionMetadata
+from pagedserve.attention.backends.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
 from pagedserve.kernels.attention_common import check_attention_args
 from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
@@ -89,10 +89,12 @@ class TritonBackend:
         cos_sin: torch.Tensor,  # [num_tokens, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [num_tokens]
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         """One kernel in place of Inductor's rotation kernels plus a cache-write kernel: each
         token's q, k, v are read once (figures: docs/gpu.md, "Fused kernels")."""
-        return rope_and_write_kv(query, key, value, cos_sin, kv_cache, slot_mapping)
+        return rope_and_write_kv(query, key, value, cos_sin, kv_cache, slot_mapping,
+                                 kv_scales.k, kv_scales.v)
 
     def forward(
         self,
@@ -101,9 +103,10 @@ class TritonBackend:
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        """Causal attention of each query row over its request's cache; writes
-        ``output[:num_actual_tokens]`` only."""
+        """Causal attention of each query row over its request's cache (an FP8 one
+        dequantized in registers); writes ``output[:num_actual_tokens]`` only."""
         check_attention_args(query, kv_cache, output, metadata.block_table)
         if not metadata.causal:
             raise ValueError("metadata.causal: the triton backend only runs causal attention")
@@ -124,10 +127,11 @@ class TritonBackend:
             paged_attention_split_kv(
                 query, kv_cache, metadata.block_table, metadata.query_start_loc,
                 metadata.seq_lens, metadata.num_reqs, scale, output, num_splits, launch,
+                kv_scales.k, kv_scales.v,
             )  # fmt: skip
             return
         paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len, scale, output,
-            PREFILL_LAUNCH,
+            PREFILL_LAUNCH, kv_scales.k, kv_scales.v,
         )  # fmt: skip

@@ -14,7 +14,8 @@ keeps every row, so its scales stay whole.
 How the matmul runs is the ``backend`` (``Platform.fp8_linear_backend``): FP8 tensor cores
 (activations quantized per token, or with the static scale: the largest of a fused layer's
 shards, as all of them see the same input) or, on the CPU, the weight dequantized into the
-compute dtype (``layers/quantization/fp8_ops.py``).
+compute dtype (``layers/quantization/fp8_ops.py``). Per-token activations come quantized from
+the layers in front where those are FP8-writing ones (``input_layers``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ import torch
 from torch import nn
 
 from pagedserve.layers.linear import LinearBase, ShardId, new_parameter
+from pagedserve.layers.quantization.fp8_activations import (
+    FP8_INPUT_LAYERS,
+    PLAIN_INPUT_LAYERS,
+    InputLayers,
+)
 from pagedserve.layers.quantization.fp8_ops import (
     FP8_DTYPE,
+    Fp8Activation,
     dequantized_linear,
     quantize_rows,
     scaled_mm_linear,
@@ -86,9 +93,14 @@ class Fp8LinearMethod:
             _to_buffer(layer, "input_scale", layer.get_parameter("input_scale").data.amax(0, True))
 
     def apply(
-        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return fp8_apply(layer, x, bias, self.backend, self.scheme.activation)
+
+    @property
+    def input_layers(self) -> InputLayers:
+        """The norm and activation layers in front of these layers (``input_layers_for``)."""
+        return input_layers_for(self.backend, self.scheme.activation)
 
 
 @dataclass(frozen=True)
@@ -109,16 +121,31 @@ class Fp8OnlineLinearMethod:
         return None
 
     def apply(
-        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return fp8_apply(layer, x, bias, self.backend, self.scheme.activation)
 
+    @property
+    def input_layers(self) -> InputLayers:
+        """The norm and activation layers in front of these layers (``input_layers_for``)."""
+        return input_layers_for(self.backend, self.scheme.activation)
+
+
+def input_layers_for(backend: Fp8Backend, activation: ActivationScheme) -> InputLayers:
+    """FP8-writing norm and SiLU-and-mul where the activations are quantized per token on FP8
+    tensor cores; the plain layers where a static scale quantizes them (the layer's own pass)
+    or the weights are dequantized (the activations stay in the model dtype)."""
+    if backend == "scaled_mm" and activation == "dynamic":
+        return FP8_INPUT_LAYERS
+    return PLAIN_INPUT_LAYERS
+
 
 def fp8_apply(
-    layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, backend: Fp8Backend,
-    activation: ActivationScheme,
+    layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None,
+    backend: Fp8Backend, activation: ActivationScheme,
 ) -> torch.Tensor:
-    """The forward of an FP8 layer once loaded (its scales are buffers)."""
+    """The forward of an FP8 layer once loaded (its scales are buffers); ``x`` comes quantized
+    per token from an FP8-writing layer, or in the model dtype."""
     weight_scale = layer.get_buffer("weight_scale")  # [N]
     if backend == "dequantize":
         return dequantized_linear(x, layer.weight, weight_scale, bias)

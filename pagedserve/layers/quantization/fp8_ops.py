@@ -5,11 +5,15 @@ scale per token of the activation, one per output channel of the weight).
 ``dequantized_linear`` is the reference and the CPU path: the weight dequantized into the
 compute dtype, then an ordinary matmul (the activation stays unquantized).
 
-The activation is quantized here by a separate pass over it; fusing that into the kernels
-that produce it (RMSNorm, SiLU-and-mul: write FP8 plus the per-token scale) is the next step.
+The activation is quantized per token here by a separate pass over it, unless it comes
+quantized already (``Fp8Activation``): the RMSNorm and SiLU-and-mul layers in front of FP8
+layers write FP8 plus the per-token scale in their own kernel
+(``layers/quantization/fp8_activations.py``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +22,19 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 """The smallest scale: an all-zero row gets it (no division by zero)."""
+
+
+class Fp8Activation(NamedTuple):
+    """An activation quantized per token by the layer that produced it."""
+
+    data: torch.Tensor  # float8_e4m3fn [T, K]
+    scale: torch.Tensor  # fp32 [T, 1]: data * scale ~ the activation
+    dtype: torch.dtype
+    """The model dtype: the activation's before quantization, the consumer's output."""
+
+    def dequantize(self) -> torch.Tensor:
+        """[T, K] in ``dtype``."""
+        return (self.data.float() * self.scale).to(self.dtype)
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,15 +57,18 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantized_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x [..., K] @ (weight float8 [N, K] * weight_scale [N, 1])^T + bias, in x's dtype."""
+    """x [..., K] @ (weight float8 [N, K] * weight_scale [N, 1])^T + bias, in x's dtype (an
+    ``Fp8Activation`` is dequantized first)."""
+    if isinstance(x, Fp8Activation):
+        x = x.dequantize()
     return F.linear(x, dequantize_rows(weight, weight_scale).to(x.dtype), bias)
 
 
 def scaled_mm_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None, bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] on FP8 tensor cores (CUDA, compute capability >= 8.9).
@@ -59,7 +79,9 @@ def scaled_mm_linear(
 
     Runs as the opaque op ``pagedserve::fp8_linear`` (``_fp8_linear_op``): inside a compiled
     piece the token count is an unbacked size, on which ``_scaled_mm``'s shape checks would
-    have to guard."""
+    have to guard. An ``Fp8Activation`` goes in as it is (``pagedserve::fp8_linear_rows``)."""
+    if isinstance(x, Fp8Activation):
+        return _fp8_linear_rows_op(x.data, x.scale, weight, weight_scale, bias, x.dtype)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     out = _fp8_linear_op(x2, weight, weight_scale, input_scale, bias)  # [M, N]
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -77,9 +99,17 @@ def _fp8_linear_op(
     else:
         xq = quantize_static(x, input_scale)
         x_scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()  # [M, 1]
+    return _scaled_mm_rows(xq, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def _scaled_mm_rows(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """xq float8 [M, K] with x_scale fp32 [M, 1] -> [M, N] in ``out_dtype``."""
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16)  # [M, N]
-    out = out.to(x.dtype)
+    out = out.to(out_dtype)
     if bias is not None:
         out = out + bias
     return out
@@ -88,3 +118,18 @@ def _fp8_linear_op(
 @_fp8_linear_op.register_fake
 def _fp8_linear_fake(x, weight, weight_scale, input_scale, bias):  # noqa: ANN001, ANN202
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("pagedserve::fp8_linear_rows", mutates_args=())
+def _fp8_linear_rows_op(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """An activation quantized per token already: xq float8 [M, K], x_scale fp32 [M, 1] ->
+    [M, N] in ``out_dtype``."""
+    return _scaled_mm_rows(xq, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+@_fp8_linear_rows_op.register_fake
+def _fp8_linear_rows_fake(xq, x_scale, weight, weight_scale, bias, out_dtype):  # noqa: ANN001, ANN202
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
