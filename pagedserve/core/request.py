@@ -97,6 +97,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.structured_output: GrammarState | None = None
         """Set by the engine core for a request with ``structured_outputs``."""
+        self.draft_acceptance = 1.0
+        """Speculative decoding: moving average of its drafts' acceptance rate
+        (``spec_decode/gate.py``)."""
+        self.draft_pause = 0
+        """Steps left without drafts after the acceptance rate fell too low."""
 
     @property
     def num_tokens(self) -> int:

@@ -249,6 +249,8 @@ class EngineCore:
                 len(self._in_flight) < _MAX_STEPS_IN_FLIGHT
                 and self.scheduler.has_unfinished_requests()
             ):
+                if self._in_flight and not self._may_plan_past(self._in_flight[-1]):
+                    break
                 self._in_flight.append(self._launch())
                 if self._in_flight[-1].deferred:
                     break  # nothing is planned past a step that waits for its predecessor
@@ -266,6 +268,15 @@ class EngineCore:
             with self._plan_lost_on_error(self._in_flight[0].plan):
                 self._finish_launch(self._in_flight[0])
         return outputs
+
+    def _may_plan_past(self, step: _Step) -> bool:
+        """Whether the next step may be planned while ``step`` runs. Not past a deferred step,
+        nor past one that verifies drafts: how many it accepts sets the next step's
+        positions. Nor while speculation is on: drafts are proposed from known tokens only,
+        so the step that may draft is planned once the one before it is appended, as a
+        deferred step's sampling is (docs/architecture.md#speculative-decoding)."""
+        return not (step.deferred or step.plan.scheduled_spec_decode_tokens
+                    or self.scheduler.speculating())
 
     def _launch(self) -> _Step:
         """Schedule a step and queue its work on the device; nothing here waits for it.
