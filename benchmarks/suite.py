@@ -8,8 +8,10 @@ the CPU reference's on a tiny fp32 Llama), ``b1`` / ``b64`` (decode step at batc
 1024-token prompts), ``t1024`` / ``t2048`` / ``t1000`` (1000 prompts of 1024 in / 128 out,
 2048 / 128, 1000 / 1000; output tok/s, ratio to the roofline, and on NVIDIA cards the energy
 and output tokens per joule), ``warm`` (a warm start-up in a fresh process), ``qwen3`` (the
-Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy). Each result is one JSON line
-in DIR/suite.json; BENCHMARKS.md shows them.
+Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy), ``spec`` (speculative
+decoding: verify and draft step times at k = 1..5, break-even acceptance, end-to-end speedups,
+batch 64 with speculation configured; ``spec_decode_bench.py``, not run by default). Each result
+is one JSON line in DIR/suite.json; BENCHMARKS.md shows them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
+import spec_decode_bench
 import torch
 
 from pagedserve.config import CompilationConfig, choices_of
@@ -125,6 +128,8 @@ def main() -> None:
             suite.run("qwen3.t256", throughput.run, small, bench_args(
                 ["throughput", *qwen, "--num-prompts", "256", "--input-len", "562",
                  "--output-len", "562", "--range-ratio", "0.822"]))
+    if "spec" in wanted and llm is not None:
+        suite.run("spec", spec_decode_bench.run, suite.log, llm, engine, work)
     if "t1000" in wanted and llm is not None:
         module, argv = workloads["t1000"]
         suite.run("8b.t1000", module.run, llm, bench_args(argv))
