@@ -35,7 +35,7 @@ from pagedserve import SamplingParams
 from pagedserve.entrypoints.bench import latency
 from pagedserve.entrypoints.bench.common import make_llm
 from pagedserve.entrypoints.cli import build_parser
-from pagedserve.spec_decode.proposer import DraftRequest
+from pagedserve.spec_decode.proposer import DraftRequest, StatelessProposer
 
 MAX_K = 5
 SPEC_CONFIG = json.dumps({"method": "ngram", "num_speculative_tokens": MAX_K})
@@ -46,7 +46,7 @@ STEP_TOKENS = 64
 """Tokens per request when a decode step is timed."""
 
 
-class FixedDrafts:
+class FixedDrafts(StatelessProposer):
     """k drafts of fixed random ids (dummy weights reject them: every step verifies k)."""
 
     def __init__(self, k: int, vocab_size: int) -> None:
@@ -56,7 +56,7 @@ class FixedDrafts:
         return [self.drafts[: r.max_drafts] for r in requests]
 
 
-class ReferenceDrafts:
+class ReferenceDrafts(StatelessProposer):
     """Drafts the continuation of ``reference`` (the target's own greedy tokens), each draft
     replaced by a wrong id with probability ``p_wrong``."""
 
@@ -153,7 +153,7 @@ def free(llm) -> None:  # noqa: ANN001
     torch.cuda.empty_cache()
 
 
-class NoDrafts:
+class NoDrafts(StatelessProposer):
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         return [[] for _ in requests]
 

@@ -150,8 +150,8 @@ class CacheConfig:
         return model_dtype  # auto, the one value __post_init__ accepts
 
 
-SPECULATIVE_METHODS = ("ngram",)
-"""The proposers implemented (``draft_model`` is accepted by vLLM; here it is refused)."""
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+"""The proposers implemented."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,8 @@ class SpeculativeConfig:
     docs/architecture.md#speculative-decoding)."""
 
     method: str = "ngram"
-    """ngram: prompt lookup, drafts copied from the request's own prompt and output."""
+    """ngram: prompt lookup, drafts copied from the request's own prompt and output;
+    draft_model: a small model of the same vocabulary (``model``) drafts greedily."""
     num_speculative_tokens: int = 3
     """Drafts proposed per request and step (k); a step verifies k + 1 tokens."""
     prompt_lookup_min: int = 2
@@ -168,7 +169,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     """ngram: the longest suffix looked up (longer ones are tried first)."""
     model: str | None = None
-    """draft_model: the draft's folder or GGUF file (refused while that method is not built)."""
+    """draft_model: the draft's folder or GGUF file (same vocabulary as the target)."""
     disable_by_batch_size: int = 32
     """No drafts in a step with more running requests than this: a large batch is bound by
     compute, where verifying drafts costs more than it saves."""
@@ -188,9 +189,8 @@ class SpeculativeConfig:
         require(self.prompt_lookup_max >= self.prompt_lookup_min,
                 f"prompt_lookup_max: {self.prompt_lookup_max} is below prompt_lookup_min="
                 f"{self.prompt_lookup_min}")
-        require(self.model is None,
-                f"model: a draft model ({self.model!r}) needs method draft_model, which is "
-                "not implemented")
+        require((self.model is not None) == (self.method == "draft_model"),
+                "model: method draft_model needs the draft's model, and only it takes one")
         require(self.disable_by_batch_size >= 1,
                 f"disable_by_batch_size: must be >= 1, got {self.disable_by_batch_size}")
         require(0.0 <= self.min_acceptance_rate < 1.0,
@@ -367,6 +367,13 @@ class EngineConfig:
         require(
             self.scheduler.speculative_config is None or self.parallel.tensor_parallel_size == 1,
             "speculative_config: speculative decoding runs with tensor_parallel_size=1 only",
+        )
+        spec = self.scheduler.speculative_config
+        require(
+            spec is None or spec.method != "draft_model"
+            or self.parallel.distributed_executor_backend in (None, "uni"),
+            "speculative_config: draft_model runs beside the target's runner, in process "
+            "(distributed_executor_backend uni)",
         )
 
     @staticmethod

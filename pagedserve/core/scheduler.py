@@ -111,6 +111,7 @@ class Scheduler:
         spec = scheduler_config.speculative_config
         self.speculative_config: SpeculativeConfig | None = spec
         self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        """Set by the engine core for ``draft_model`` (it runs on the device)."""
         self.draft_gate = DraftGate(0.0 if spec is None else spec.min_acceptance_rate)
         self.spec_stats = SpecDecodeCounts(0 if spec is None else spec.num_speculative_tokens)
 
@@ -171,6 +172,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.finish((request.request_id,))
         if request.structured_output is not None:
             self.num_constrained_requests -= 1
 

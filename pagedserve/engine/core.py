@@ -155,6 +155,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
         )
+        spec = self.config.scheduler.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from pagedserve.spec_decode.draft_model import DraftModelProposer
+
+            with _timed("load the draft model"), _out_of_memory_as_one_line("load the draft"):
+                self.scheduler.proposer = DraftModelProposer(
+                    self.config, spec, self.max_model_len, self.vocab_size, num_blocks)
         self._structured_output: StructuredOutputManager | None = None
         """Built by the first constrained request (it loads the tokenizer on a thread)."""
         # What start-up built lives as long as the engine: out of the collector's walks, so that

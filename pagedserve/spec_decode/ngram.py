@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pagedserve.spec_decode.proposer import DraftRequest
+from pagedserve.spec_decode.proposer import DraftRequest, StatelessProposer
 
 
 def lookup_drafts(token_ids: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
@@ -29,7 +29,7 @@ def lookup_drafts(token_ids: np.ndarray, min_n: int, max_n: int, max_drafts: int
     return []
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max

@@ -8,7 +8,7 @@ run on the device through the executor behind the same call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,11 +32,23 @@ class Proposer(Protocol):
         """Drafts per request, in order: at most ``max_drafts`` each, possibly none."""
         ...
 
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """These requests are gone: drop what is kept for them."""
+        ...
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of ``config.method``."""
+
+class StatelessProposer:
+    """A proposer that keeps nothing per request (its ``finish`` has nothing to drop)."""
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        del req_ids
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The proposer of ``config.method`` where it needs no device; None for ``draft_model``,
+    which the engine core builds beside the target's runner (``draft_model.py``)."""
     from pagedserve.spec_decode.ngram import NgramProposer  # numpy only
 
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"method: {config.method!r} has no proposer")
+    return None

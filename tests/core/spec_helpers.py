@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.spec_decode.proposer import DraftRequest
+from pagedserve.spec_decode.proposer import DraftRequest, StatelessProposer
 from tests.core.core_helpers import VOCAB, EngineLoop, FakeRunner, fake_token
 
 
-class OracleProposer:
+class OracleProposer(StatelessProposer):
     """Drafts the fake model's own continuation, with a wrong token wherever
     ``(num_tokens * 5 + j) % wrong_every == 0``: accepted runs of every length occur."""
 

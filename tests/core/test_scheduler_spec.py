@@ -9,6 +9,7 @@ from hypothesis import event, given, settings
 
 from pagedserve.config import SpeculativeConfig
 from pagedserve.core.sched_output import LogprobsLists, ModelRunnerOutput
+from pagedserve.spec_decode.proposer import StatelessProposer
 from tests.core.core_helpers import check_scheduler_invariants, make_request, make_scheduler
 from tests.core.spec_helpers import OracleProposer, SpecEngineLoop
 from tests.core.test_scheduler_properties import run_stream, scenarios
@@ -16,7 +17,7 @@ from tests.core.test_scheduler_properties import run_stream, scenarios
 PROMPT = [5, 6, 7, 8]
 
 
-class FixedProposer:
+class FixedProposer(StatelessProposer):
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
 

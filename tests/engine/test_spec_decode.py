@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.spec_decode.proposer import DraftRequest
+from pagedserve.spec_decode.proposer import DraftRequest, StatelessProposer
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=48, num_gpu_blocks_override=40,
               block_size=4, max_num_seqs=8)
@@ -28,7 +28,7 @@ TEMPERATURE = 0.1
 values with frequencies a chi-square test can compare."""
 
 
-class ReferenceProposer:
+class ReferenceProposer(StatelessProposer):
     """Drafts the continuation of a reference sequence the request's tokens start, with a wrong
     token wherever ``(num_tokens + j) % wrong_every == 0``."""
 
@@ -165,7 +165,7 @@ def test_sampled_tokens_of_verify_steps_follow_the_target(checkpoints):
     without = pairs(plain, 0)
     draft = Counter({t[0]: c for t, c in without.items()}).most_common(2)[1][0]
 
-    class Fixed:
+    class Fixed(StatelessProposer):
         def propose(self, requests):  # type: ignore[no-untyped-def]
             return [[draft] * r.max_drafts for r in requests]
 
@@ -179,3 +179,26 @@ def test_sampled_tokens_of_verify_steps_follow_the_target(checkpoints):
     assert statistic < _chi_square_critical(len(cells) - 1), (statistic, cells)
     stats = spec.engine_core.scheduler.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "qwen3"])
+def test_draft_model_tokens_equal_the_plain_engine(engines, checkpoints, draft_arch):
+    """A tiny random draft of the same vocabulary: the target itself (every draft accepted)
+    or a Qwen3 of other weights (few accepted). Preemption and chunking as above."""
+    plain, _, tokenizer = engines
+    target, _, _ = checkpoints("llama")
+    draft, _, _ = checkpoints(draft_arch)
+    spec = LLM(str(target), **ENGINE, speculative_config={
+        "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+        "min_acceptance_rate": 0.0})
+    prompts, params = _prompts(len(tokenizer)), _params()
+    assert _generate(spec, prompts, params) == _generate(plain, prompts, params)
+    before = spec.engine_core.get_stats()
+    assert before.spec_decode_num_drafts > 0
+    if draft_arch == "llama":  # greedy requests accept every draft of the target itself
+        greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        assert _generate(spec, prompts, greedy) == _generate(plain, prompts, greedy)
+        now = spec.engine_core.get_stats()
+        drafted = now.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        accepted = now.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        assert accepted == drafted > 0

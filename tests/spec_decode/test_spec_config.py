@@ -23,7 +23,8 @@ def test_json_from_the_command_line():
 
 @pytest.mark.parametrize(("value", "key"), [
     ({"method": "eagle"}, "method"),
-    ({"method": "draft_model", "model": "x"}, "method"),
+    ({"method": "draft_model"}, "model"),
+    ({"method": "ngram", "model": "x"}, "model"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": "3"}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max"),
@@ -38,6 +39,9 @@ def test_bad_values_are_refused_naming_the_key(value, key):
         EngineConfig.from_kwargs(speculative_config=value)
 
 
-def test_tensor_parallelism_is_refused():
+def test_tensor_parallelism_and_a_draft_out_of_process_are_refused():
     with pytest.raises(ValueError, match="^speculative_config:.*tensor_parallel_size"):
         EngineConfig.from_kwargs(speculative_config={"method": "ngram"}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="^speculative_config:.*uni"):
+        EngineConfig.from_kwargs(speculative_config={"method": "draft_model", "model": "x"},
+                                 distributed_executor_backend="mp")
