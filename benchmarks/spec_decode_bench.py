@@ -17,6 +17,10 @@ it to DIR/suite.json:
 - ``spec.b64``: the batch-64 decode step with speculation configured (ngram, k = 4, defaults:
   it turns itself off above 32 running requests) against the plain engine: ratio >= 0.97 is
   the target.
+- ``spec.draft_model`` (``run_draft_model``): the engine with the 1B-shaped draft model, its
+  whole speculative step (k draft steps, then the verify step) measured at k = 1..5 (dummy
+  weights: the drafts are rejected, every step drafts k), the break-even acceptance and the
+  speedup at 0.8 from those measured steps.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import argparse
 import gc
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +157,21 @@ def free(llm) -> None:  # noqa: ANN001
     torch.cuda.empty_cache()
 
 
+class CappedDrafts:
+    """Another proposer's drafts, at most ``k`` per request."""
+
+    def __init__(self, inner, k: int) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.k = k
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return self.inner.propose([DraftRequest(r.req_id, r.token_ids, min(r.max_drafts, self.k))
+                                   for r in requests])
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        self.inner.finish(req_ids)
+
+
 class NoDrafts(StatelessProposer):
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         return [[] for _ in requests]
@@ -202,12 +221,35 @@ def run(log, plain, engine_argv: list[str], work: Path) -> None:  # noqa: ANN001
     free(spec)
 
 
-def spec_engine_args(engine: list[str]) -> list[str]:
-    """The speculative 8B engine's arguments: the plain one's with speculation (ngram, k up to
-    MAX_K) and a smaller memory share (it runs beside the plain engine)."""
+def run_draft_model(log, plain, engine_argv: list[str], work: Path) -> None:  # noqa: ANN001
+    """``spec.draft_model``: measured speculative steps with the 1B-shaped draft."""
+    vocab = plain.engine_core.vocab_size
+    prompt = np.random.default_rng(0).integers(10, vocab, PROMPT_LEN).tolist()
+    t_plain = decode_step_s(plain, prompt, STEP_TOKENS)
+    draft_model = draft_args(work)[1]
+    config = json.dumps({"method": "draft_model", "model": draft_model,
+                         "num_speculative_tokens": MAX_K})
+    spec = make_llm(bench_args(["latency", *spec_engine_args(engine_argv, config)]))
+    scheduler = spec.engine_core.scheduler
+    draft = scheduler.proposer
+    per_k = {}
+    for k in range(1, MAX_K + 1):
+        scheduler.proposer = CappedDrafts(draft, k)
+        t_step = decode_step_s(spec, prompt, STEP_TOKENS)
+        e = expected_tokens(ACCEPTANCE, k)
+        per_k[k] = {"step_ms": t_step * 1e3, "break_even": break_even(t_step / t_plain, k),
+                    "speedup_at_0.8": e * t_plain / t_step}
+    log("spec.draft_model", plain_step_ms=t_plain * 1e3, per_k=per_k)
+    free(spec)
+
+
+def spec_engine_args(engine: list[str], config: str = SPEC_CONFIG) -> list[str]:
+    """The speculative 8B engine's arguments: the plain one's with ``config`` (ngram, k up to
+    MAX_K, by default), a smaller memory share (it runs beside the plain engine) and a context
+    of 2048 (the draft model's cache is sized from it, outside that share)."""
     i = engine.index("--gpu-memory-utilization")
-    return [*engine[:i], "--gpu-memory-utilization", "0.28", *engine[i + 2:],
-            "--speculative-config", SPEC_CONFIG]
+    return [*engine[:i], "--gpu-memory-utilization", "0.25", *engine[i + 2:],
+            "--max-model-len", "2048", "--speculative-config", config]
 
 
 def draft_args(work: Path) -> list[str]:
@@ -234,6 +276,7 @@ def main() -> None:
     plain = suite.run("8b.start_cold", make_llm, bench_args(["latency", *engine]))
     if plain is not None:
         suite.run("spec", run, suite.log, plain, engine, work)
+        suite.run("spec.draft_model", run_draft_model, suite.log, plain, engine, work)
 
 
 if __name__ == "__main__":

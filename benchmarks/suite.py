@@ -130,6 +130,8 @@ def main() -> None:
                  "--output-len", "562", "--range-ratio", "0.822"]))
     if "spec" in wanted and llm is not None:
         suite.run("spec", spec_decode_bench.run, suite.log, llm, engine, work)
+        suite.run("spec.draft_model", spec_decode_bench.run_draft_model, suite.log, llm,
+                  engine, work)
     if "t1000" in wanted and llm is not None:
         module, argv = workloads["t1000"]
         suite.run("8b.t1000", module.run, llm, bench_args(argv))
