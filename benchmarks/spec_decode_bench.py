@@ -4,6 +4,9 @@
 spec``, which reuses the suite's plain 8B engine) prints one JSON line per figure and appends
 it to DIR/suite.json:
 
+- ``spec.tiny_greedy_equal``: the suite's tiny workload on the fast path with drafts of the
+  CPU reference's own tokens (one in five wrong): its greedy tokens equal the CPU run's
+  without speculation; the accepted drafts are counted.
 - ``spec.steps``: at batch 1 (1024-token prompt), the plain decode step (the plain engine: FULL
   graph, async scheduling), the verify step of 1 + k tokens for k = 1..5 (drafts that dummy
   weights reject, so every step verifies k), and the decode step of a Llama-3.2-1B-shaped
@@ -35,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve import SamplingParams
+from pagedserve import LLM, SamplingParams
 from pagedserve.entrypoints.bench import latency
 from pagedserve.entrypoints.bench.common import make_llm
 from pagedserve.entrypoints.cli import build_parser
@@ -172,13 +175,49 @@ class CappedDrafts:
         self.inner.finish(req_ids)
 
 
+class SequenceDrafts(StatelessProposer):
+    """Drafts the continuation of whichever sequence the request's tokens start, one draft in
+    five wrong."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out = []
+        for r in requests:
+            n = len(r.token_ids)
+            seq = next((s for s in self.sequences if s[:n] == r.token_ids), [])
+            out.append([t + 1 if (n + j) % 5 == 0 else t
+                        for j, t in enumerate(seq[n : n + r.max_drafts])])
+        return out
+
+
 class NoDrafts(StatelessProposer):
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         return [[] for _ in requests]
 
 
+def tiny_spec_check(work: Path) -> dict:
+    from suite import tiny_workload
+
+    prompts, common = tiny_workload(work)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cpu = LLM(**common, device="cpu", enforce_eager=True)
+    ref = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    del cpu
+    fast = LLM(**common, speculative_config=SPEC_CONFIG)
+    sequences = [p["prompt_token_ids"] + r for p, r in zip(prompts, ref, strict=True)]
+    fast.engine_core.scheduler.proposer = SequenceDrafts(sequences)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    stats = fast.engine_core.get_stats()
+    return {"equal": got == ref, "drafts": stats.spec_decode_num_draft_tokens,
+            "accepted": stats.spec_decode_num_accepted_tokens,
+            "async_scheduling": fast.engine_core.config.scheduler.async_scheduling}
+
+
 def run(log, plain, engine_argv: list[str], work: Path) -> None:  # noqa: ANN001
-    """The three figures; ``plain`` is an engine of ``engine_argv`` without speculation."""
+    """The figures; ``plain`` is an engine of ``engine_argv`` without speculation."""
+    log("spec.tiny_greedy_equal", **tiny_spec_check(work))
     vocab = plain.engine_core.vocab_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, vocab, PROMPT_LEN).tolist()

@@ -137,12 +137,10 @@ def main() -> None:
         suite.run("8b.t1000", module.run, llm, bench_args(argv))
 
 
-def tiny_check(work: Path) -> dict:
-    """Greedy tokens of the fast path with async scheduling (CUDA default) equal the CPU
-    torch-reference run's, on a tiny fp32 Llama; the batch mixes FULL, PIECEWISE and eager."""
+def tiny_workload(work: Path) -> tuple[list[dict], dict]:
+    """A tiny random fp32 Llama saved under ``work``, eight prompts of 3..700 tokens, and the
+    engine options both sides of a tiny check share."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedserve import LLM, SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -152,9 +150,18 @@ def tiny_check(work: Path) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(10, 512, (n,), generator=g).tolist()}
                for n in [700, 5, 37, 130, 260, 3, 64, 400]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     common = dict(model=str(work / "tiny"), dtype="float32", skip_tokenizer_init=True,
                   max_num_batched_tokens=1024, max_num_seqs=16, gpu_memory_utilization=0.05)
+    return prompts, common
+
+
+def tiny_check(work: Path) -> dict:
+    """Greedy tokens of the fast path with async scheduling (CUDA default) equal the CPU
+    torch-reference run's, on a tiny fp32 Llama; the batch mixes FULL, PIECEWISE and eager."""
+    from pagedserve import LLM, SamplingParams
+
+    prompts, common = tiny_workload(work)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     fast_llm = LLM(**common)
     fast = [o.outputs[0].token_ids for o in fast_llm.generate(prompts, params, use_tqdm=False)]
     async_on = fast_llm.engine_core.config.scheduler.async_scheduling
