@@ -71,12 +71,17 @@ class CompletionState:
         self.updated = True
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         stop_str = None
+        detokenizer = self.detokenizer
         # No text (skip_tokenizer_init, detokenize=False): no stop strings.
-        if self.detokenizer is not None and new_token_ids:
-            stop_str, num_kept = self._detokenize(new_token_ids, out.finish_reason == "stop")
+        if detokenizer is not None and new_token_ids:
+            if len(new_token_ids) == 1 or not detokenizer.stop:
+                stop_str = detokenizer.update(new_token_ids, out.finish_reason == "stop")
+            else:  # several tokens at once (speculative decoding)
+                stop_str, num_kept = self._detokenize_each(new_token_ids,
+                                                           out.finish_reason == "stop")
+                new_token_ids = new_token_ids[:num_kept]
             if stop_str is not None:
                 self.finish_reason, self.stop_reason = "stop", stop_str
-                new_token_ids = new_token_ids[:num_kept]
         self.token_ids.extend(new_token_ids)
         if out.new_logprobs is not None and self.want_logprobs:
             rows = out.new_logprobs
@@ -84,15 +89,14 @@ class CompletionState:
             self.cumulative_logprob += sum(row[0] for row in rows.logprobs[: len(new_token_ids)])
         return stop_str
 
-    def _detokenize(self, new_token_ids: list[int], stop_terminated: bool) -> tuple[str | None, int]:
-        """Feed the detokenizer; returns the stop string found, if any, and the tokens kept:
-        several tokens come at once after speculative decoding, and a stop string may end
-        before the last of them (those after it are dropped, as if never generated)."""
+    def _detokenize_each(self, new_token_ids: list[int],
+                         stop_terminated: bool) -> tuple[str | None, int]:
+        """Feed the detokenizer one token at a time; returns the stop string found, if any,
+        and the tokens kept: a stop string may end before the last of several tokens that
+        came at once (those after it are dropped, as if never generated)."""
         detokenizer = self.detokenizer
         assert detokenizer is not None
         num_new = len(new_token_ids)
-        if num_new == 1 or not detokenizer.stop:
-            return detokenizer.update(new_token_ids, stop_terminated), num_new
         for i, token_id in enumerate(new_token_ids):
             stop_str = detokenizer.update([token_id], stop_terminated and i == num_new - 1)
             if stop_str is not None:

@@ -146,9 +146,10 @@ def verify_drafts(
     device = logits.device
     max_drafts = int(vp.num_drafts_np.max(initial=0))
     per_position, table, candidate_rows = _index_arrays(vp, drafts, sample_rows_np, max_drafts)
-    sizes = [a.shape[0] for a in per_position] + [table.size, candidate_rows.size]
-    host = np.concatenate([*per_position, table.ravel(), candidate_rows.ravel()])
-    parts = torch.split(host_to_device(host, torch.int64, device), sizes)
+    tail = [table.ravel(), candidate_rows.ravel(), vp.num_drafts_np, vp.offsets_np]
+    arrays = [*per_position, *tail]
+    parts = torch.split(host_to_device(np.concatenate(arrays), torch.int64, device),
+                        [a.shape[0] for a in arrays])
     counters = sampler.states.num_output_tokens  # int64 [max_num_reqs]: the noise counter
     sampled = torch.empty(vp.num_logits_rows, dtype=torch.int64, device=device)
     for p in range(max_drafts + 1):
@@ -158,11 +159,9 @@ def verify_drafts(
         slots_np = per_position[2 * p + 1]
         sampled.index_copy_(0, rows, sampler.sample(logits.index_select(0, rows), slots,
                                                      slots_np))
-    all_slots = parts[1]
-    num_drafts = host_to_device(vp.num_drafts_np, torch.int64, device)
-    counters.index_add_(0, all_slots, -num_drafts)
-    draft_table = parts[-2].view(table.shape)  # int64 [num_sampled, max_drafts]
-    candidates = sampled[parts[-1]].view(table.shape)
+    draft_table, candidate_rows_dev, num_drafts, offsets = parts[-4:]
+    counters.index_add_(0, parts[1], -num_drafts)  # parts[1]: every sampling row's slot
+    draft_table = draft_table.view(table.shape)  # int64 [num_sampled, max_drafts]
+    candidates = sampled[candidate_rows_dev].view(table.shape)
     num_accepted = (candidates == draft_table).to(torch.int64).cumprod(dim=1).sum(dim=1)
-    offsets = host_to_device(vp.offsets_np, torch.int64, device)
     return Verified(sampled, num_accepted, sampled.index_select(0, offsets + num_accepted))
