@@ -202,3 +202,19 @@ def test_draft_model_tokens_equal_the_plain_engine(engines, checkpoints, draft_a
         drafted = now.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
         accepted = now.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
         assert accepted == drafted > 0
+
+
+def test_async_scheduling_gives_the_same_tokens(engines, checkpoints):
+    """The GPU's default: steps overlap except around drafts (the core plans nothing past a
+    step with drafts, nor while the scheduler may draft). Two requests per batch limit let a
+    batch of four run above it, overlapped, and then draft again as requests finish."""
+    plain, _, tokenizer = engines
+    folder, _, _ = checkpoints("llama")
+    spec = LLM(str(folder), **ENGINE, async_scheduling=True,
+               speculative_config={**SPEC, "disable_by_batch_size": 2})
+    prompts, params = _prompts(len(tokenizer)), _params()
+    expected = _generate(plain, prompts, params)
+    sequences = [p + c[0] for p, out in zip(prompts, expected, strict=True) for c in out]
+    spec.engine_core.scheduler.proposer = ReferenceProposer(sequences)
+    assert _generate(spec, prompts, params) == expected
+    assert spec.engine_core.get_stats().spec_decode_num_accepted_tokens > 0
