@@ -149,6 +149,8 @@ class ModelRunner:
             self.compiled_forward = CompiledForward(
                 self.model, compilation.piece_compiler, self.graphs.pool,
                 one_token_forward=self._one_token_forward())
+            if self.graphs.ladders.verify:
+                self.compiled_forward.add_verify_graphs()
             self.forward_fn = self.compiled_forward
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
