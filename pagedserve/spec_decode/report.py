@@ -1,7 +1,9 @@
-"""Speculative decoding's figures for reports (``bench`` output): from the scheduler's
-cumulative ``SchedulerStats``."""
+"""Speculative decoding's figures for reports (``bench`` output, the server's periodic log):
+from the scheduler's cumulative ``SchedulerStats``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from pagedserve.core.stats import SchedulerStats
 
@@ -21,6 +23,23 @@ def spec_decode_figures(stats: SchedulerStats) -> dict:
         "spec_decode_mean_accepted_length": 1 + (stats.spec_decode_num_accepted_tokens
                                                  / stats.spec_decode_num_drafts),
     }
+
+
+def spec_decode_delta(before: SchedulerStats, now: SchedulerStats) -> SchedulerStats:
+    """``now`` with its speculative-decoding counters taken since ``before``."""
+    per_position = before.spec_decode_accepted_per_position or (0,) * len(
+        now.spec_decode_accepted_per_position)
+    return dataclasses.replace(
+        now,
+        spec_decode_num_drafts=now.spec_decode_num_drafts - before.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=(now.spec_decode_num_draft_tokens
+                                      - before.spec_decode_num_draft_tokens),
+        spec_decode_num_accepted_tokens=(now.spec_decode_num_accepted_tokens
+                                         - before.spec_decode_num_accepted_tokens),
+        spec_decode_accepted_per_position=tuple(
+            a - b for a, b in zip(now.spec_decode_accepted_per_position, per_position,
+                                  strict=True)),
+    )
 
 
 def spec_decode_line(figures: dict) -> str:
