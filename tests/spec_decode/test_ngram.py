@@ -37,3 +37,32 @@ def test_proposer_respects_each_requests_limit():
                                DraftRequest("b", pattern * 3, 5),
                                DraftRequest("c", [1, 2, 3], 3)])
     assert drafts == [[4, 5], [4, 5, 6, 7, 4], []]
+
+
+def _brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """For n from max_n down: the earliest earlier occurrence of the last n tokens."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_lookup_equals_the_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 30))).tolist()
+        min_n = int(rng.integers(1, 3))
+        max_n = min_n + int(rng.integers(0, 4))
+        assert lookup_drafts(_ids(*tokens), min_n, max_n, 3) == _brute_force(
+            tokens, min_n, max_n, 3), tokens
+
+
+def test_histories_grow_with_the_request_and_go_with_it():
+    proposer = NgramProposer(1, 3)
+    tokens = [1, 2, 3, 1, 2]
+    assert proposer.propose([DraftRequest("a", tokens, 2)]) == [[3, 1]]
+    tokens += [7, 1]
+    assert proposer.propose([DraftRequest("a", tokens, 2)]) == [[2, 3]]
+    proposer.finish(["a"])
+    assert proposer.histories == {}
