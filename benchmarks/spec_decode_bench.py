@@ -1,4 +1,4 @@
-"""Speculative decoding on a GPU (issue 31's targets), on the Llama-3-8B shape, dummy bf16.
+"""Speculative decoding on a GPU: its targets, on the Llama-3-8B shape, dummy bf16.
 
 ``python benchmarks/spec_decode_bench.py --out DIR`` (or ``benchmarks/suite.py --sections
 spec``, which reuses the suite's plain 8B engine) prints one JSON line per figure and appends
