@@ -268,7 +268,12 @@ def run_draft_model(log, plain, engine_argv: list[str], work: Path) -> None:  # 
     draft_model = draft_args(work)[1]
     config = json.dumps({"method": "draft_model", "model": draft_model,
                          "num_speculative_tokens": MAX_K})
-    spec = make_llm(bench_args(["latency", *spec_engine_args(engine_argv, config)]))
+    argv = spec_engine_args(engine_argv, config)
+    # Batch 1 only: few sequences keep the draft's cache, sized outside the memory share for
+    # max_num_seqs requests of max_model_len tokens, small beside the plain engine.
+    i = argv.index("--max-num-seqs")
+    argv[i + 1] = "16"
+    spec = make_llm(bench_args(["latency", *argv]))
     scheduler = spec.engine_core.scheduler
     draft = scheduler.proposer
     per_k = {}

@@ -102,6 +102,9 @@ class Request:
         (``spec_decode/gate.py``)."""
         self.draft_pause = 0
         """Steps left without drafts after the acceptance rate fell too low."""
+        self.draft_hot = True
+        """Speculative decoding: its last n-gram lookup found drafts (a new request has not
+        looked yet), so the engine core plans its next step synchronously."""
 
     @property
     def num_tokens(self) -> int:

@@ -220,33 +220,52 @@ class Scheduler:
 
     def speculating(self) -> bool:
         """Whether the next step may carry drafts: then the engine core plans it with no step
-        in flight, so every drafting request's tokens are known."""
+        in flight, so every drafting request's tokens are known. With ngram drafts only while
+        some request's last lookup found a match (``Request.draft_hot``): where the text does
+        not repeat, steps stay asynchronous and only the lookups run (``_propose``)."""
         spec = self.speculative_config
-        return spec is not None and len(self.running) <= spec.disable_by_batch_size
+        if spec is None or len(self.running) > spec.disable_by_batch_size:
+            return False
+        if self.num_constrained_requests:
+            return False
+        return spec.method != "ngram" or any(r.draft_hot for r in self.running)
 
     def _propose(self) -> dict[str, list[int]]:
-        """Drafts of the running requests that draft this step (``spec_decode/gate.py``)."""
+        """Drafts of the running requests that draft this step (``spec_decode/gate.py``).
+
+        A request with a step in flight cannot draft (its last token is unknown), but with the
+        ngram proposer its known tokens are looked up all the same: a match there sets
+        ``draft_hot``, so the engine core plans the next step synchronously and it drafts."""
         spec = self.speculative_config
         assert spec is not None and self.proposer is not None
         if len(self.running) > spec.disable_by_batch_size or self.num_constrained_requests:
             return {}
         k = spec.num_speculative_tokens
-        candidates = []
+        probe = spec.method == "ngram"  # a lookup costs no device work
+        candidates: list[tuple[Request, DraftRequest]] = []
         for request in self.running:
             num_tokens = len(request.all_token_ids)
-            if (request.num_output_placeholders  # a step in flight: its tokens are unknown
-                    or num_tokens - request.num_computed_tokens != 1):  # prefill left
-                continue
+            in_flight = request.num_output_placeholders > 0  # its last token is unknown
+            if (in_flight and not probe) or (
+                    not in_flight and num_tokens - request.num_computed_tokens != 1):
+                continue  # prefill left, or a step in flight
             # An accepted run never passes max_tokens, and positions stay below max_model_len.
             max_drafts = min(k, request.max_tokens - len(request.output_token_ids) - 1,
                              self.max_model_len - num_tokens)
             if max_drafts > 0 and self.draft_gate.may_draft(request):
-                candidates.append(DraftRequest(request.request_id, request.all_token_ids,
-                                               max_drafts))
+                candidates.append((request, DraftRequest(request.request_id,
+                                                         request.all_token_ids, max_drafts)))
+            else:
+                request.draft_hot = False
         if not candidates:
             return {}
-        drafts = self.proposer.propose(candidates)
-        return {c.req_id: d for c, d in zip(candidates, drafts, strict=True) if d}
+        drafts = self.proposer.propose([c for _, c in candidates])
+        out = {}
+        for (request, _), draft in zip(candidates, drafts, strict=True):
+            request.draft_hot = bool(draft)
+            if draft and not request.num_output_placeholders:
+                out[request.request_id] = draft
+        return out
 
     def _schedule_running(self, plan: StepPlan, drafts: dict[str, list[int]] | None) -> None:
         running = RequestStatus.RUNNING

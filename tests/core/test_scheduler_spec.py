@@ -117,3 +117,29 @@ def test_random_streams_with_drafts_equal_the_reference(scenario):
     event(f"accepted drafts: {stats.spec_decode_num_accepted_tokens > 0}")
     event(f"preempted: {stats.num_preemptions > 0}")
     assert sched.kv_cache_manager.usage == 0.0
+
+
+def test_ngram_plans_asynchronously_until_a_lookup_finds_a_match():
+    """Where the text does not repeat, steps may be planned past each other; a lookup over the
+    known tokens of a request with a step in flight that finds a match makes the next step
+    synchronous, and only a step planned with the last token known drafts."""
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1,
+                             min_acceptance_rate=0.0)
+    sched = make_scheduler(speculative_config=spec, async_scheduling=True)
+    request = make_request("0", [5, 6, 7, 8], max_tokens=20, ignore_eos=True)
+    sched.add_request(request)
+    prefill = sched.schedule()
+    assert sched.speculating()  # a new request has not looked yet
+    sched.update_from_output(prefill, ModelRunnerOutput(["0"], [[9]]))
+    step = sched.schedule()  # [5, 6, 7, 8, 9]: nothing repeats
+    assert step.scheduled_spec_decode_tokens == {} and not sched.speculating()
+    ahead = sched.schedule()  # planned while `step` runs: the lookup sees [..., 9] only
+    assert ahead.scheduled_spec_decode_tokens == {} and not sched.speculating()
+    sched.update_from_output(step, ModelRunnerOutput(["0"], [[5]]))
+    behind = sched.schedule()  # `ahead` in flight; known [..., 9, 5]: 5 was followed by 6
+    assert behind.scheduled_spec_decode_tokens == {} and sched.speculating()
+    sched.update_from_output(ahead, ModelRunnerOutput(["0"], [[6]]))
+    sched.update_from_output(behind, ModelRunnerOutput(["0"], [[7]]))
+    drafting = sched.schedule()  # every token known: [..., 5, 6, 7] -> 8, 9
+    assert drafting.scheduled_spec_decode_tokens == {"0": [8, 9]}
+    check_scheduler_invariants(sched)
