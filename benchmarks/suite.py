@@ -10,7 +10,11 @@ the CPU reference's on a tiny fp32 Llama), ``b1`` / ``b64`` (decode step at batc
 and output tokens per joule), ``warm`` (a warm start-up in a fresh process), ``qwen3`` (the
 Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy). Not in the default
 sections: ``fp8`` runs FP8 against bf16 in engines of their own, first, on the whole card
-(``fp8_suite.py``); ``structured`` runs ``structured.py``'s three figures on the 8B engine. Each result is one JSON line in DIR/suite.json; BENCHMARKS.md shows them.
+(``fp8_suite.py``); ``structured`` runs ``structured.py``'s three figures on the 8B engine;
+``spec`` (speculative decoding: verify and draft step times at k = 1..5, break-even
+acceptance, end-to-end speedups, batch 64 with speculation configured;
+``spec_decode_bench.py``). Each result is one JSON line in DIR/suite.json; BENCHMARKS.md
+shows them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+import spec_decode_bench
 import structured
 import torch
 
@@ -135,17 +140,19 @@ def main() -> None:
             suite.run("qwen3.t256", throughput.run, small, bench_args(
                 ["throughput", *qwen, "--num-prompts", "256", "--input-len", "562",
                  "--output-len", "562", "--range-ratio", "0.822"]))
+    if "spec" in wanted and llm is not None:
+        suite.run("spec", spec_decode_bench.run, suite.log, llm, engine, work)
+        suite.run("spec.draft_model", spec_decode_bench.run_draft_model, suite.log, llm,
+                  engine, work)
     if "t1000" in wanted and llm is not None:
         module, argv = workloads["t1000"]
         suite.run("8b.t1000", module.run, llm, bench_args(argv))
 
 
-def tiny_check(work: Path) -> dict:
-    """Greedy tokens of the fast path with async scheduling (CUDA default) equal the CPU
-    torch-reference run's, on a tiny fp32 Llama; the batch mixes FULL, PIECEWISE and eager."""
+def tiny_workload(work: Path) -> tuple[list[dict], dict]:
+    """A tiny random fp32 Llama saved under ``work``, eight prompts of 3..700 tokens, and the
+    engine options both sides of a tiny check share."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedserve import LLM, SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -155,9 +162,18 @@ def tiny_check(work: Path) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(10, 512, (n,), generator=g).tolist()}
                for n in [700, 5, 37, 130, 260, 3, 64, 400]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     common = dict(model=str(work / "tiny"), dtype="float32", skip_tokenizer_init=True,
                   max_num_batched_tokens=1024, max_num_seqs=16, gpu_memory_utilization=0.05)
+    return prompts, common
+
+
+def tiny_check(work: Path) -> dict:
+    """Greedy tokens of the fast path with async scheduling (CUDA default) equal the CPU
+    torch-reference run's, on a tiny fp32 Llama; the batch mixes FULL, PIECEWISE and eager."""
+    from pagedserve import LLM, SamplingParams
+
+    prompts, common = tiny_workload(work)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     fast_llm = LLM(**common)
     fast = [o.outputs[0].token_ids for o in fast_llm.generate(prompts, params, use_tqdm=False)]
     async_on = fast_llm.engine_core.config.scheduler.async_scheduling

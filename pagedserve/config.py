@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -144,6 +145,72 @@ class CacheConfig:
         )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+"""The proposers implemented."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys, plus when to turn it off;
+    docs/architecture.md#speculative-decoding)."""
+
+    method: str = "ngram"
+    """ngram: prompt lookup, drafts copied from the request's own prompt and output;
+    draft_model: a small model of the same vocabulary (``model``) drafts greedily."""
+    num_speculative_tokens: int = 3
+    """Drafts proposed per request and step (k); a step verifies k + 1 tokens."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix of the request's tokens that is looked up."""
+    prompt_lookup_max: int = 5
+    """ngram: the longest suffix looked up (longer ones are tried first)."""
+    model: str | None = None
+    """draft_model: the draft's folder or GGUF file (same vocabulary as the target)."""
+    disable_by_batch_size: int = 32
+    """No drafts in a step with more running requests than this: a large batch is bound by
+    compute, where verifying drafts costs more than it saves."""
+    min_acceptance_rate: float = 0.1
+    """A request whose measured acceptance rate falls below this stops drafting for a while
+    (``spec_decode/gate.py``)."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        require(self.method in SPECULATIVE_METHODS,
+                f"method: {self.method!r} is not implemented; one of "
+                + ", ".join(SPECULATIVE_METHODS))
+        require(1 <= self.num_speculative_tokens <= 16,
+                f"num_speculative_tokens: must be in 1..16, got {self.num_speculative_tokens}")
+        require(self.prompt_lookup_min >= 1,
+                f"prompt_lookup_min: must be >= 1, got {self.prompt_lookup_min}")
+        require(self.prompt_lookup_max >= self.prompt_lookup_min,
+                f"prompt_lookup_max: {self.prompt_lookup_max} is below prompt_lookup_min="
+                f"{self.prompt_lookup_min}")
+        require((self.model is not None) == (self.method == "draft_model"),
+                "model: method draft_model needs the draft's model, and only it takes one")
+        require(self.disable_by_batch_size >= 1,
+                f"disable_by_batch_size: must be >= 1, got {self.disable_by_batch_size}")
+        require(0.0 <= self.min_acceptance_rate < 1.0,
+                f"min_acceptance_rate: must be in [0, 1), got {self.min_acceptance_rate}")
+
+    @staticmethod
+    def parse(value: object) -> SpeculativeConfig:
+        """From a dict, a JSON object's text (the CLI's form) or a SpeculativeConfig; a
+        ValueError naming the key otherwise."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        require(not unknown, f"speculative_config: unknown key(s) {unknown}; known: "
+                + ", ".join(sorted(known)))
+        return SpeculativeConfig(**value)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -158,8 +225,14 @@ class SchedulerConfig:
     """Plan and launch step N+1 before waiting for step N's tokens (the GPU never idles while
     the host schedules; the output is the same). None: on for GPUs, off on the CPU, whose
     torch ops finish before the host goes on anyway."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding, as a JSON object (``{"method": "ngram",
+    "num_speculative_tokens": 3}``) or a dict; None: off."""
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # frozen: the one normalisation
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
         _check_fields(self)
         require(self.max_num_seqs >= 1, f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         require(
@@ -285,6 +358,17 @@ class EngineConfig:
         require(
             re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
             f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N",
+        )
+        require(
+            self.scheduler.speculative_config is None or self.parallel.tensor_parallel_size == 1,
+            "speculative_config: speculative decoding runs with tensor_parallel_size=1 only",
+        )
+        spec = self.scheduler.speculative_config
+        require(
+            spec is None or spec.method != "draft_model"
+            or self.parallel.distributed_executor_backend in (None, "uni"),
+            "speculative_config: draft_model runs beside the target's runner, in process "
+            "(distributed_executor_backend uni)",
         )
 
     @staticmethod

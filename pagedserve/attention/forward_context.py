@@ -26,6 +26,9 @@ class ForwardContext:
     """Padded token count of this forward."""
     cudagraph_mode: str = "NONE"
     """NONE | PIECEWISE | FULL (set by the runner's dispatcher); graph wrappers read it."""
+    query_len: int = 1
+    """Tokens per request of a FULL forward: 1 + k when each request verifies k drafts (those
+    graphs are kept apart from the one-token ones)."""
     attn_layers: dict[str, torch.nn.Module] = field(default_factory=dict)
     """layer name -> attention layer: the registered attention op finds its layer here, since
     a custom op takes tensors and strings, not modules."""

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.compilation.aot_forward import (
     SavedForwardError,
     SavedForwards,
@@ -117,6 +118,9 @@ class CompiledForward:
         self.aot_artifact: Path | None = None
         """The saved forward the first call loaded (Dynamo skipped), else None."""
         self.full_graph: CUDAGraphWrapper | None = None
+        self.verify_graph: CUDAGraphWrapper | None = None
+        """FULL graphs of batches whose requests each verify drafts (1 + k tokens), added by
+        ``add_verify_graphs``: keyed by token count like ``full_graph``'s, so kept apart."""
         if self.graph_pool is not None:
             self.full_graph = CUDAGraphWrapper(self._run_full, "FULL", self.graph_pool, "full")
         self.compile_stats: CompileStats | None = None
@@ -126,8 +130,17 @@ class CompiledForward:
         if self.compile_stats is None:
             return self._first_call(input_ids, positions)
         if self.full_graph is not None:
+            if self.verify_graph is not None and get_forward_context().query_len > 1:
+                return self.verify_graph(input_ids, positions)
             return self.full_graph(input_ids, positions)
         return self._run_full(input_ids, positions)
+
+    def add_verify_graphs(self) -> None:
+        """Speculative decoding: FULL forwards of 1 + k tokens per request get graphs of their
+        own (the forward context's ``query_len`` picks them)."""
+        if self.graph_pool is not None:
+            self.verify_graph = CUDAGraphWrapper(self._run_full, "FULL", self.graph_pool,
+                                                 "verify")
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
         assert self.forward is not None  # set by the first call

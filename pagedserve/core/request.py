@@ -97,6 +97,14 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.structured_output: GrammarState | None = None
         """Set by the engine core for a request with ``structured_outputs``."""
+        self.draft_acceptance = 1.0
+        """Speculative decoding: moving average of its drafts' acceptance rate
+        (``spec_decode/gate.py``)."""
+        self.draft_pause = 0
+        """Steps left without drafts after the acceptance rate fell too low."""
+        self.draft_hot = True
+        """Speculative decoding: its last n-gram lookup found drafts (a new request has not
+        looked yet), so the engine core plans its next step synchronously."""
 
     @property
     def num_tokens(self) -> int:

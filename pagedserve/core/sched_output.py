@@ -63,6 +63,9 @@ class SchedulerOutput:
     """Requests that finished or were aborted since the last step: the runner frees their slots."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the runner frees their slots; they return as new requests."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: req_id -> its drafts, which follow its last token in its
+    ``num_scheduled_tokens`` (1 + len(drafts)); empty when no request drafts."""
     grammar_bitmask: GrammarBitmask | None = None
     """Structured outputs, where the executor runs a step as one call (tensor parallelism):
     the constrained requests' masks, filled by the engine core before it sends the plan."""
@@ -88,7 +91,8 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    """Per request: the new token(s); empty for a prefill chunk that does not finish the prompt."""
+    """Per request: the new token(s); empty for a prefill chunk that does not finish the prompt.
+    A request that verified drafts gets its accepted drafts, then the target's next token."""
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """req_id -> one row per sampled token, for requests that asked for logprobs."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

@@ -17,6 +17,13 @@ is compiled, then joins the waiting queue; its matcher advances with every token
 ``schedule()`` advances ``num_computed_tokens`` as soon as it plans a step, so the next step can
 be planned before this one's sampled tokens arrive (async scheduling: the unknown tokens are
 counted in ``Request.num_output_placeholders``).
+
+Speculative decoding (docs/architecture.md#speculative-decoding): a decoding request with no
+step in flight may get drafts from the proposer; it is scheduled for 1 + k tokens (its last
+token, then the drafts) and ``num_computed_tokens`` advances by all of them. When the step's
+tokens come back (the accepted drafts plus one token of the target's), the rejected drafts are
+taken back off ``num_computed_tokens``: their KV slots are rewritten by later steps, and only
+verified tokens ever get hashed into the prefix cache (hashes cover appended tokens only).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.core.block_pool import KVCacheBlock
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
@@ -36,8 +43,10 @@ from pagedserve.core.sched_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from pagedserve.core.stats import SchedulerStats
+from pagedserve.core.stats import SchedulerStats, SpecDecodeCounts
 from pagedserve.core.step_plan import StepPlan
+from pagedserve.spec_decode.gate import DraftGate
+from pagedserve.spec_decode.proposer import DraftRequest, Proposer, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +108,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        spec = scheduler_config.speculative_config
+        self.speculative_config: SpeculativeConfig | None = spec
+        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        """Set by the engine core for ``draft_model`` (it runs on the device)."""
+        self.draft_gate = DraftGate(0.0 if spec is None else spec.min_acceptance_rate)
+        self.spec_stats = SpecDecodeCounts(0 if spec is None else spec.num_speculative_tokens)
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -157,6 +172,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.finish((request.request_id,))
         if request.structured_output is not None:
             self.num_constrained_requests -= 1
 
@@ -193,7 +210,7 @@ class Scheduler:
         if self.waiting_for_grammar:
             self._admit_ready_grammars()
         plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
-        self._schedule_running(plan)
+        self._schedule_running(plan, self._propose() if self.proposer is not None else None)
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -201,7 +218,56 @@ class Scheduler:
         self._advance(plan)
         return output
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def speculating(self) -> bool:
+        """Whether the next step may carry drafts: then the engine core plans it with no step
+        in flight, so every drafting request's tokens are known. With ngram drafts only while
+        some request's last lookup found a match (``Request.draft_hot``): where the text does
+        not repeat, steps stay asynchronous and only the lookups run (``_propose``)."""
+        spec = self.speculative_config
+        if spec is None or len(self.running) > spec.disable_by_batch_size:
+            return False
+        if self.num_constrained_requests:
+            return False
+        return spec.method != "ngram" or any(r.draft_hot for r in self.running)
+
+    def _propose(self) -> dict[str, list[int]]:
+        """Drafts of the running requests that draft this step (``spec_decode/gate.py``).
+
+        A request with a step in flight cannot draft (its last token is unknown), but with the
+        ngram proposer its known tokens are looked up all the same: a match there sets
+        ``draft_hot``, so the engine core plans the next step synchronously and it drafts."""
+        spec = self.speculative_config
+        assert spec is not None and self.proposer is not None
+        if len(self.running) > spec.disable_by_batch_size or self.num_constrained_requests:
+            return {}
+        k = spec.num_speculative_tokens
+        probe = spec.method == "ngram"  # a lookup costs no device work
+        candidates: list[tuple[Request, DraftRequest]] = []
+        for request in self.running:
+            num_tokens = len(request.all_token_ids)
+            in_flight = request.num_output_placeholders > 0  # its last token is unknown
+            if (in_flight and not probe) or (
+                    not in_flight and num_tokens - request.num_computed_tokens != 1):
+                continue  # prefill left, or a step in flight
+            # An accepted run never passes max_tokens, and positions stay below max_model_len.
+            max_drafts = min(k, request.max_tokens - len(request.output_token_ids) - 1,
+                             self.max_model_len - num_tokens)
+            if max_drafts > 0 and self.draft_gate.may_draft(request):
+                candidates.append((request, DraftRequest(request.request_id,
+                                                         request.all_token_ids, max_drafts)))
+            else:
+                request.draft_hot = False
+        if not candidates:
+            return {}
+        drafts = self.proposer.propose([c for _, c in candidates])
+        out = {}
+        for (request, _), draft in zip(candidates, drafts, strict=True):
+            request.draft_hot = bool(draft)
+            if draft and not request.num_output_placeholders:
+                out[request.request_id] = draft
+        return out
+
+    def _schedule_running(self, plan: StepPlan, drafts: dict[str, list[int]] | None) -> None:
         running = RequestStatus.RUNNING
         allocate_slots = self.kv_cache_manager.allocate_slots
         for request in list(self.running):  # a copy: preemption removes from self.running
@@ -212,12 +278,18 @@ class Scheduler:
             num_new_tokens = self._num_tokens_to_run(request, plan.token_budget)
             if num_new_tokens == 0:
                 continue
+            draft = drafts.get(request.request_id) if drafts else None
+            if draft:
+                draft = draft[: plan.token_budget - num_new_tokens]
+                num_new_tokens += len(draft)
             new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
                 new_blocks = self._preempt_until_fits(request, num_new_tokens, plan)
                 if new_blocks is None:
                     continue  # it preempted itself (the least important); later ones may fit
             plan.add_running(request, num_new_tokens, new_blocks)
+            if draft:
+                plan.spec_token_ids[request.request_id] = draft
 
     def _num_tokens_to_run(self, request: Request, token_budget: int) -> int:
         # Lengths read from the lists directly: this runs for every running request each step.
@@ -322,6 +394,7 @@ class Scheduler:
         """
         outputs = []
         scheduled = scheduler_output.num_scheduled_tokens
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
@@ -333,19 +406,27 @@ class Scheduler:
             request = requests.get(rid)
             if request is None:
                 continue
+            if spec_tokens and rid in spec_tokens:
+                self._settle_drafts(request, len(spec_tokens[rid]), len(token_ids) - 1)
             # Empty token_ids: a prefill chunk that did not reach the end of the prompt.
             new_token_ids = self._append_tokens(request, token_ids) if token_ids else token_ids
             request_prompt_logprobs = prompt_logprobs.get(rid) if prompt_logprobs else None
+            request_logprobs = logprobs.get(rid) if logprobs else None
+            if request_logprobs is not None and len(new_token_ids) < len(token_ids):
+                request_logprobs = _first_rows(request_logprobs, len(new_token_ids))
             if new_token_ids or request_prompt_logprobs is not None:
                 outputs.append(
                     self._make_engine_output(
-                        request,
-                        new_token_ids,
-                        logprobs.get(rid) if logprobs else None,
-                        request_prompt_logprobs,
+                        request, new_token_ids, request_logprobs, request_prompt_logprobs
                     )
                 )
         return outputs
+
+    def _settle_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verified step: the rejected drafts' positions were never computed."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.draft_gate.record(request, num_drafts, num_accepted)
+        self.spec_stats.record(num_drafts, num_accepted)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append the step's tokens (non-empty) up to the first that stops the request."""
@@ -416,7 +497,17 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
         )
+
+
+def _first_rows(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:
+    """The logprobs of the first ``num_rows`` tokens (a run cut short by a stop)."""
+    return LogprobsLists(logprobs.token_ids[:num_rows], logprobs.logprobs[:num_rows],
+                         logprobs.ranks[:num_rows])
 
 
 def _check_limits(

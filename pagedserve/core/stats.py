@@ -29,9 +29,40 @@ class SchedulerStats:
     """Constrained requests whose compiled grammar was looked up (cumulative)."""
     grammar_cache_hits: int = 0
     """Lookups that found the grammar compiled or compiling (cumulative)."""
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding: request-steps that verified drafts (cumulative, as the next three)."""
+    spec_decode_num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    spec_decode_num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
+    """Entry i: drafts accepted at position i of their run (k entries)."""
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        if self.spec_decode_num_draft_tokens == 0:
+            return 0.0
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         if self.prefix_cache_queries == 0:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+class SpecDecodeCounts:
+    """The scheduler's running totals of speculative decoding."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1

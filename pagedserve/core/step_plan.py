@@ -30,6 +30,8 @@ class StepPlan:
     new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
     """Running request id -> blocks allocated this step."""
     preempted: list[Request] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Running request id -> the drafts it verifies this step (speculative decoding)."""
 
     def add_running(
         self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
@@ -56,6 +58,7 @@ class StepPlan:
         self.token_budget += num_tokens
         self.running_reqs.remove(request)
         del self.new_blocks[request.request_id]
+        self.spec_token_ids.pop(request.request_id, None)
 
     def to_output(
         self, get_block_ids: Callable[[str], BlockIds], finished_req_ids: set[str]
@@ -87,4 +90,5 @@ class StepPlan:
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids={r.request_id for r in self.preempted},
+            scheduled_spec_decode_tokens=self.spec_token_ids,
         )

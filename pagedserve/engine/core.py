@@ -155,6 +155,13 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
         )
+        spec = self.config.scheduler.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from pagedserve.spec_decode.draft_model import DraftModelProposer
+
+            with _timed("load the draft model"), _out_of_memory_as_one_line("load the draft"):
+                self.scheduler.proposer = DraftModelProposer(
+                    self.config, spec, self.max_model_len, self.vocab_size, num_blocks)
         self._structured_output: StructuredOutputManager | None = None
         """Built by the first constrained request (it loads the tokenizer on a thread)."""
         # What start-up built lives as long as the engine: out of the collector's walks, so that
@@ -249,6 +256,8 @@ class EngineCore:
                 len(self._in_flight) < _MAX_STEPS_IN_FLIGHT
                 and self.scheduler.has_unfinished_requests()
             ):
+                if self._in_flight and not self._may_plan_past(self._in_flight[-1]):
+                    break
                 self._in_flight.append(self._launch())
                 if self._in_flight[-1].deferred:
                     break  # nothing is planned past a step that waits for its predecessor
@@ -266,6 +275,15 @@ class EngineCore:
             with self._plan_lost_on_error(self._in_flight[0].plan):
                 self._finish_launch(self._in_flight[0])
         return outputs
+
+    def _may_plan_past(self, step: _Step) -> bool:
+        """Whether the next step may be planned while ``step`` runs. Not past a deferred step,
+        nor past one that verifies drafts: how many it accepts sets the next step's
+        positions. Nor while speculation is on: drafts are proposed from known tokens only,
+        so the step that may draft is planned once the one before it is appended, as a
+        deferred step's sampling is (docs/architecture.md#speculative-decoding)."""
+        return not (step.deferred or step.plan.scheduled_spec_decode_tokens
+                    or self.scheduler.speculating())
 
     def _launch(self) -> _Step:
         """Schedule a step and queue its work on the device; nothing here waits for it.

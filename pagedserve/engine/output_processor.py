@@ -68,18 +68,40 @@ class CompletionState:
     def update(self, out: EngineCoreOutput) -> str | None:
         """Take one step's output; return the stop string if the text now contains one."""
         new_token_ids = out.new_token_ids
-        self.token_ids.extend(new_token_ids)
         self.updated = True
-        if out.new_logprobs is not None and self.want_logprobs:
-            self.logprobs.extend(decode_logprobs(self.tokenizer, out.new_logprobs))
-            self.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs)
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        if self.detokenizer is None or not new_token_ids:
-            return None  # no text (skip_tokenizer_init, detokenize=False): no stop strings
-        stop_str = self.detokenizer.update(new_token_ids, out.finish_reason == "stop")
-        if stop_str is not None:
-            self.finish_reason, self.stop_reason = "stop", stop_str
+        stop_str = None
+        detokenizer = self.detokenizer
+        # No text (skip_tokenizer_init, detokenize=False): no stop strings.
+        if detokenizer is not None and new_token_ids:
+            if len(new_token_ids) == 1 or not detokenizer.stop:
+                stop_str = detokenizer.update(new_token_ids, out.finish_reason == "stop")
+            else:  # several tokens at once (speculative decoding)
+                stop_str, num_kept = self._detokenize_each(new_token_ids,
+                                                           out.finish_reason == "stop")
+                new_token_ids = new_token_ids[:num_kept]
+            if stop_str is not None:
+                self.finish_reason, self.stop_reason = "stop", stop_str
+        self.token_ids.extend(new_token_ids)
+        if out.new_logprobs is not None and self.want_logprobs:
+            rows = out.new_logprobs
+            self.logprobs.extend(decode_logprobs(self.tokenizer, rows)[: len(new_token_ids)])
+            self.cumulative_logprob += sum(row[0] for row in rows.logprobs[: len(new_token_ids)])
         return stop_str
+
+    def _detokenize_each(self, new_token_ids: list[int],
+                         stop_terminated: bool) -> tuple[str | None, int]:
+        """Feed the detokenizer one token at a time; returns the stop string found, if any,
+        and the tokens kept: a stop string may end before the last of several tokens that
+        came at once (those after it are dropped, as if never generated)."""
+        detokenizer = self.detokenizer
+        assert detokenizer is not None
+        num_new = len(new_token_ids)
+        for i, token_id in enumerate(new_token_ids):
+            stop_str = detokenizer.update([token_id], stop_terminated and i == num_new - 1)
+            if stop_str is not None:
+                return stop_str, i + 1
+        return None, num_new
 
     def make_output(self, delta: bool) -> CompletionOutput:
         start = self.num_reported_tokens if delta else 0

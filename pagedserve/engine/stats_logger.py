@@ -2,8 +2,9 @@
 
 ``StatsLogger.record`` takes the scheduler's cumulative ``SchedulerStats`` after each engine
 step; at most once per ``interval`` seconds, and only while the engine is busy (or just was),
-it logs one INFO line with the rates since the previous line, and a WARNING when requests were
-preempted in that window (the KV cache is too small for the load).
+it logs one INFO line with the rates since the previous line, one more with speculative
+decoding's acceptance when drafts ran in that window, and a WARNING when requests were
+preempted in it (the KV cache is too small for the load).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.core.stats import SchedulerStats
+from pagedserve.spec_decode.report import spec_decode_delta, spec_decode_figures, spec_decode_line
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,9 @@ class StatsLogger:
         if window.idle:
             return None
         logger.info("%s", window.line())
+        spec_line = spec_decode_line(spec_decode_figures(spec_decode_delta(before, stats)))
+        if spec_line:
+            logger.info("%s", spec_line)
         if window.preemptions:
             logger.warning(
                 "%d request(s) preempted in the last %.0f s: the KV cache cannot hold the "

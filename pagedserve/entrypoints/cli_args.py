@@ -22,7 +22,7 @@ import inspect
 import typing
 from typing import Any, Literal
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, SpeculativeConfig
 from pagedserve.field_types import ByteSize, byte_size, without_none
 from pagedserve.sampling_params import SamplingParams
 
@@ -79,6 +79,13 @@ def _byte_size_option(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).removeprefix("value: ")) from e
 
 
+def _speculative_option(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as e:  # argparse prints the option's name beside this
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _option_kwargs(tp: Any, default: Any, doc: str) -> dict[str, Any]:
     """argparse keyword arguments for a field of type ``tp``."""
     base = without_none(tp)
@@ -95,6 +102,8 @@ def _option_kwargs(tp: Any, default: Any, doc: str) -> dict[str, Any]:
         kwargs["type"] = typing.get_args(base)[0]
     elif base is ByteSize:
         kwargs["type"] = _byte_size_option
+    elif base is SpeculativeConfig:
+        kwargs["type"] = _speculative_option
     elif base in (int, float, str):
         kwargs["type"] = base
     else:

@@ -94,17 +94,24 @@ class Sampler:
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
     ) -> SamplerOutput:
         """Sample one token per row of logits [num_rows, V] (model dtype)."""
-        self._check_batch(logits, idx_mapping, idx_mapping_np)
-        idx_mapping = idx_mapping.to(torch.int64)
-        processed = logits
-        if self.logit_bias.applies_to(idx_mapping_np) or self.states.any_penalties(idx_mapping_np):
-            processed = self._process(logits, idx_mapping, idx_mapping_np)
-        sampled = self.token_sampler.sample(processed, self.states, idx_mapping, idx_mapping_np)
+        sampled = self.sample(logits, idx_mapping, idx_mapping_np)
         num_logprobs = self.states.max_num_logprobs(idx_mapping_np)
         logprobs = None
         if num_logprobs != NO_LOGPROBS:
             logprobs = compute_topk_logprobs(logits, num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
+    ) -> torch.Tensor:
+        """int64 [num_rows]: the tokens alone (steps 1-5), each row at its slot's output
+        index (``states.num_output_tokens``)."""
+        self._check_batch(logits, idx_mapping, idx_mapping_np)
+        idx_mapping = idx_mapping.to(torch.int64)
+        processed = logits
+        if self.logit_bias.applies_to(idx_mapping_np) or self.states.any_penalties(idx_mapping_np):
+            processed = self._process(logits, idx_mapping, idx_mapping_np)
+        return self.token_sampler.sample(processed, self.states, idx_mapping, idx_mapping_np)
 
     def process_logits(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray

@@ -100,7 +100,7 @@ class AsyncOutput:
             for j, row in enumerate(self.sample_rows):
                 k = self.num_logprobs[j]
                 if k is not None:
-                    logprobs[self.req_ids[row]] = _lists(self.logprobs, slice(j, j + 1), k)
+                    logprobs[self.req_ids[row]] = _lists(self.logprobs, self._token_rows(j), k)
         prompt_logprobs = {}
         if self.prompt_logprobs is not None:
             for span in self.prompt_spans:
@@ -113,6 +113,10 @@ class AsyncOutput:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _token_rows(self, j: int) -> slice:
+        """The rows of sampler row j's tokens in ``sampled`` and ``logprobs``."""
+        return slice(j, j + 1)
 
     def _sampled_token_ids(self) -> list[list[int]]:
         """One list per batch row: its sampled token, or empty (a partial prefill chunk)."""

@@ -54,5 +54,6 @@ def make_forward_context(
         slot_mapping={name: metadata.slot_mapping for name in attn_layers},
         num_tokens=batch.num_tokens_after_padding,
         cudagraph_mode=batch.mode.name,
+        query_len=batch.descriptor.query_len,
         attn_layers=dict(attn_layers),
     )

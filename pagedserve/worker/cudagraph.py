@@ -106,6 +106,11 @@ class BatchDescriptor:
     num_reqs: int | None
     """Request count after padding; None when requests are not padded (PIECEWISE, NONE)."""
 
+    @property
+    def query_len(self) -> int:
+        """Tokens per request of a FULL graph: 1, or 1 + k when it verifies k drafts each."""
+        return 1 if self.num_reqs is None else self.num_tokens // self.num_reqs
+
 
 # ---- capture sizes --------------------------------------------------------------------------
 
@@ -125,9 +130,13 @@ class CaptureLadders:
     piecewise: list[int]
     exact: list[int] = field(default_factory=list)
     """PIECEWISE sizes above the ladder that only a step of exactly that many tokens replays."""
+    verify: list[int] = field(default_factory=list)
+    """FULL sizes (tokens) of verify batches: ``verify_query_len`` tokens per request."""
+    verify_query_len: int = 0
+    """1 + k with speculative decoding (k drafts per request), else 0: no verify graphs."""
 
     def __post_init__(self) -> None:
-        for name in ("full", "piecewise", "exact"):
+        for name in ("full", "piecewise", "exact", "verify"):
             sizes = getattr(self, name)
             if sizes != sorted(set(sizes)):
                 raise ValueError(f"CaptureLadders.{name}: not ascending and distinct: {sizes}")
@@ -181,7 +190,21 @@ def capture_ladders(config: EngineConfig, shape: ModelShape | None = None) -> Ca
     budget = config.scheduler.max_num_batched_tokens
     above_ladder = not piecewise or budget > piecewise[-1]
     exact = [budget] if above_ladder and wants_budget_graph(config, shape) else []
-    return CaptureLadders(full, piecewise, exact)
+    return CaptureLadders(full, piecewise, exact, *verify_ladder(config, full))
+
+
+def verify_ladder(config: EngineConfig, full: list[int]) -> tuple[list[int], int]:
+    """FULL sizes of batches where every request verifies k drafts (query length 1 + k): the
+    FULL ladder's request counts up to ``disable_by_batch_size`` (no drafts above it) times
+    1 + k, within the token budget; ([], 0) without speculative decoding."""
+    spec = config.scheduler.speculative_config
+    if spec is None:
+        return [], 0
+    query_len = 1 + spec.num_speculative_tokens
+    budget = config.scheduler.max_num_batched_tokens
+    sizes = [r * query_len for r in full
+             if r <= spec.disable_by_batch_size and r * query_len <= budget]
+    return sizes, query_len
 
 
 def padded_buffer_sizes(config: EngineConfig) -> tuple[int, int]:
@@ -218,6 +241,10 @@ def describe_batch(
         # num_tokens == num_reqs here, so the request count pads to the same size.
         size = padded_size(num_tokens, full)
         return BatchDescriptor(CudaGraphMode.FULL, size, size)
+    q, verify = ladders.verify_query_len, ladders.verify
+    if uniform_decode_len == q and verify and num_tokens <= verify[-1]:
+        size = padded_size(num_tokens, verify)  # a multiple of q: requests pad alike
+        return BatchDescriptor(CudaGraphMode.FULL, size, size // q)
     if piecewise and num_tokens <= piecewise[-1]:
         return BatchDescriptor(CudaGraphMode.PIECEWISE, padded_size(num_tokens, piecewise), None)
     if num_tokens in ladders.exact:
@@ -295,6 +322,25 @@ def dummy_plans(prompt_lens: list[int], block_size: int, sampling_params: Sampli
     return run, finish
 
 
+def verify_plans(num_reqs: int, query_len: int, block_size: int) -> Plans:
+    """A step of ``num_reqs`` requests past a one-token prompt, each verifying
+    ``query_len - 1`` drafts (token 0), and the plan that frees them again."""
+    blocks = cdiv(1 + query_len, block_size)
+    new_reqs, num_scheduled, drafts = [], {}, {}
+    for i in range(num_reqs):
+        req_id = f"verify-{i}"
+        new_reqs.append(NewRequestData(
+            req_id=req_id, prefill_token_ids=[0], num_prompt_tokens=1,
+            sampling_params=_GREEDY, block_ids=(list(range(1 + i * blocks, 1 + (i + 1) * blocks)),),
+            num_computed_tokens=1))
+        num_scheduled[req_id] = query_len
+        drafts[req_id] = [0] * (query_len - 1)
+    run = SchedulerOutput(new_reqs, CachedRequestData(), num_scheduled, num_reqs * query_len,
+                          set(), scheduled_spec_decode_tokens=drafts)
+    finish = SchedulerOutput([], CachedRequestData(), {}, 0, set(num_scheduled))
+    return run, finish
+
+
 class StepRunner(Protocol):
     """What captures run their plans through: the runner's own step path."""
 
@@ -351,6 +397,8 @@ class CudaGraphManager:
         self.memory = GraphMemory()
         self.captured: dict[CudaGraphMode, set[int]] = {
             CudaGraphMode.FULL: set(), CudaGraphMode.PIECEWISE: set()}
+        self.captured_verify: set[int] = set()
+        """FULL sizes of verify batches (graphs of their own: a size may be in both)."""
         self.capturing: CudaGraphMode | None = None
         """The mode being captured right now (start-up only)."""
 
@@ -373,14 +421,20 @@ class CudaGraphManager:
         mode = descriptor.mode
         if mode is CudaGraphMode.NONE:
             return mode
-        if self.capturing is mode or descriptor.num_tokens in self.captured[mode]:
+        captured = self.captured[mode]
+        if mode is CudaGraphMode.FULL and descriptor.query_len > DECODE_QUERY_LEN:
+            captured = self.captured_verify
+        if self.capturing is mode or descriptor.num_tokens in captured:
             return mode
         return CudaGraphMode.NONE
 
     def captured_sizes(self) -> dict[str, list[int]]:
         """Captured sizes per mode name, largest first."""
-        return {mode.name: sorted(self.captured[mode], reverse=True)
-                for mode in (CudaGraphMode.FULL, CudaGraphMode.PIECEWISE)}
+        sizes = {mode.name: sorted(self.captured[mode], reverse=True)
+                 for mode in (CudaGraphMode.FULL, CudaGraphMode.PIECEWISE)}
+        if self.captured_verify:
+            sizes["FULL_VERIFY"] = sorted(self.captured_verify, reverse=True)
+        return sizes
 
     # ---- start-up -----------------------------------------------------------------------
 
@@ -417,6 +471,9 @@ class CudaGraphManager:
                 run_plans(runner, self._full_plans(sizes[0]))  # the phase's one warm-up
             for size in sizes:
                 self._capture_one(runner, CudaGraphMode.FULL, size, self._full_plans(size))
+            for size in self._verify_sizes(num_blocks):
+                self._capture_one(runner, CudaGraphMode.FULL, size, self._verify_plans(size),
+                                  self.captured_verify)
         memory = self.memory
         memory.full = used_device_bytes(device) - before + memory.full_probe_kept
         actual = (memory.piecewise or 0) + memory.full
@@ -482,14 +539,15 @@ class CudaGraphManager:
         return memory.full_estimate
 
     def _capture_one(self, runner: StepRunner, mode: CudaGraphMode, size: int,
-                     plans: Plans) -> None:
-        """Run ``plans`` with ``mode`` being captured: its wrappers capture ``size``."""
+                     plans: Plans, captured: set[int] | None = None) -> None:
+        """Run ``plans`` with ``mode`` being captured: its wrappers capture ``size``, which
+        joins ``captured`` (default: the mode's sizes)."""
         self.capturing = mode
         try:
             run_plans(runner, plans)
         finally:
             self.capturing = None
-        self.captured[mode].add(size)
+        (self.captured[mode] if captured is None else captured).add(size)
 
     def _full_sizes(self, num_blocks: int) -> list[int]:
         return full_sizes(self.ladders.full, self.max_num_reqs, self.max_num_batched_tokens,
@@ -497,6 +555,21 @@ class CudaGraphManager:
 
     def _full_plans(self, size: int) -> Plans:
         return dummy_plans([DECODE_QUERY_LEN] * size, self.block_size, _GREEDY, "capture")
+
+    def _verify_sizes(self, num_blocks: int) -> list[int]:
+        """Verify sizes whose requests fit the slots and the blocks, largest first (a size
+        already captured, e.g. by an earlier call, is kept)."""
+        q = self.ladders.verify_query_len
+        blocks_per_req = cdiv(1 + q, self.block_size)
+        return sorted((s for s in self.ladders.verify
+                       if s // q <= self.max_num_reqs
+                       and s // q * blocks_per_req <= num_blocks - 1
+                       and s not in self.captured_verify), reverse=True)
+
+    def _verify_plans(self, size: int) -> Plans:
+        """``size // q`` requests that each verify q - 1 drafts after one computed token."""
+        q = self.ladders.verify_query_len
+        return verify_plans(size // q, q, self.block_size)
 
     def _require_graphs(self, forward: CompiledForward | None
                         ) -> tuple[GraphPool, CompiledForward]:

@@ -31,10 +31,19 @@ from pagedserve.core.sched_output import (
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for, resolve_dtype, resolve_kv_cache_dtype
-from pagedserve.sample import Sampler, SamplerOutput
+from pagedserve.sample import LogprobsTensors, Sampler, SamplerOutput, compute_topk_logprobs
+from pagedserve.sample.states import NO_LOGPROBS
+from pagedserve.spec_decode.output import VerifiedOutput
+from pagedserve.spec_decode.verify import (
+    DraftBatch,
+    plan_drafts,
+    plan_verify,
+    verify_drafts,
+    write_draft_inputs,
+)
 from pagedserve.structured_output.bitmask import GrammarBitmask, TokenBitmaskApplier
 from pagedserve.worker import kv_cache
-from pagedserve.worker.async_output import AsyncOutput
+from pagedserve.worker.async_output import AsyncOutput, PromptLogprobsSpan
 from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
 from pagedserve.worker.block_table import BlockTables, single_group
 from pagedserve.worker.cudagraph import CudaGraphManager, padded_buffer_sizes
@@ -47,7 +56,7 @@ from pagedserve.worker.input_batch import (
 )
 from pagedserve.worker.profile import MemoryProfiler, profile_step
 from pagedserve.worker.prompt_logprobs import compute_batch_prompt_logprobs, plan_prompt_logprobs
-from pagedserve.worker.staging import StagingBuffer
+from pagedserve.worker.staging import StagingBuffer, host_to_device
 from pagedserve.worker.states import RequestStates
 
 
@@ -60,6 +69,8 @@ class ExecuteModelState:
     hidden_states: torch.Tensor  # [num_tokens_after_padding, hidden_size], device
     grammar_bitmask: GrammarBitmask | None = None
     """The constrained rows' masks, when they came with the plan (tensor parallelism)."""
+    drafts: DraftBatch | None = None
+    """Speculative decoding: the drafts this step verifies (None: a plain step)."""
 
 
 def _first_eos(hf_config: object) -> int | None:
@@ -140,6 +151,8 @@ class ModelRunner:
             self.compiled_forward = CompiledForward(
                 self.model, compilation.piece_compiler, self.graphs.pool,
                 one_token_forward=self._one_token_forward())
+            if self.graphs.ladders.verify:
+                self.compiled_forward.add_verify_graphs()
             self.forward_fn = self.compiled_forward
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
@@ -252,10 +265,15 @@ class ModelRunner:
             self._flush_block_tables()
             return
         batch = self._prepare_inputs(scheduler_output)
+        drafts = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            drafts = plan_drafts(batch.plan, scheduler_output.scheduled_spec_decode_tokens)
+            write_draft_inputs(batch.input_ids, self.states.last_sampled_tokens, batch.plan,
+                               batch.query_start_loc_np, drafts)
         metadata = self._prepare_attn(batch)
         hidden_states = self._run_model(batch, metadata)
         self.execute_model_state = ExecuteModelState(batch, metadata, hidden_states,
-                                                     scheduler_output.grammar_bitmask)
+                                                     scheduler_output.grammar_bitmask, drafts)
 
     def _flush_block_tables(self) -> None:
         """A step without tokens still lands its staged block-table writes, so entries never
@@ -302,6 +320,8 @@ class ModelRunner:
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
             return AsyncOutput([], [], [], None, None, [], self.copy_stream)
+        if state.drafts is not None:
+            return self._verify(state, state.drafts)
         batch = state.batch
         rows = batch.plan.sample_rows_np  # batch rows whose prefill is complete
         # The sampled rows' slots and logits rows came with the step's staging copy.
@@ -317,23 +337,65 @@ class ModelRunner:
                                           idx_mapping, idx_mapping_np, grammar, sampled_req_ids)
             if sampler_output.logprobs is not None:
                 num_logprobs = self.states.sampling.num_logprobs(idx_mapping_np)
-        prompt_plan = None
-        if (self.states.num_prompt_logprobs_reqs
-                and self.states.wants_prompt_logprobs_np[batch.idx_mapping_np].any()):
-            prompt_plan = plan_prompt_logprobs(batch, self.states)
+        prompt_logprobs, prompt_spans = self._prompt_logprobs(state)
         output = AsyncOutput(
             req_ids=batch.req_ids,
             sample_rows=rows.tolist(),
             num_logprobs=num_logprobs,
             sampler_output=sampler_output,
-            prompt_logprobs=None if prompt_plan is None else compute_batch_prompt_logprobs(
-                prompt_plan, state.hidden_states, self.compute_logits,
-                self.states.all_token_ids),
-            prompt_spans=[] if prompt_plan is None else prompt_plan.spans,
+            prompt_logprobs=prompt_logprobs,
+            prompt_spans=prompt_spans,
             copy_stream=self.copy_stream,
         )
         if sampler_output is not None:
             self._postprocess(idx_mapping, sampler_output)
+        return output
+
+    def _prompt_logprobs(
+        self, state: ExecuteModelState
+    ) -> tuple[LogprobsTensors | None, list[PromptLogprobsSpan]]:
+        """The step's prompt logprobs, when some row of it asks."""
+        batch = state.batch
+        if not (self.states.num_prompt_logprobs_reqs
+                and self.states.wants_prompt_logprobs_np[batch.idx_mapping_np].any()):
+            return None, []
+        prompt_plan = plan_prompt_logprobs(batch, self.states)
+        if prompt_plan is None:
+            return None, []
+        return (compute_batch_prompt_logprobs(prompt_plan, state.hidden_states,
+                                              self.compute_logits, self.states.all_token_ids),
+                prompt_plan.spans)
+
+    def _verify(self, state: ExecuteModelState, drafts: DraftBatch) -> AsyncOutput:
+        """A step with drafts: every row of a drafting request becomes logits, drafts are
+        accepted while they equal the target's samples (``spec_decode/verify.py``)."""
+        batch = state.batch
+        rows = batch.plan.sample_rows_np
+        vp = plan_verify(batch.plan, batch.query_start_loc_np, drafts)
+        token_rows = host_to_device(vp.token_rows_np, torch.int64, self.device)
+        logits = self._compute_logits(state.hidden_states, token_rows)  # [num_logits_rows, V]
+        verified = verify_drafts(logits, self.sampler, vp, drafts, rows)
+        sampling = self.states.sampling
+        num_logprobs = sampling.max_num_logprobs(vp.slots_np)
+        logprobs = None
+        if num_logprobs != NO_LOGPROBS:
+            logprobs = compute_topk_logprobs(logits, num_logprobs, verified.sampled)
+        prompt_logprobs, prompt_spans = self._prompt_logprobs(state)
+        output = VerifiedOutput(
+            req_ids=batch.req_ids,
+            sample_rows=rows.tolist(),
+            num_logprobs=sampling.num_logprobs(vp.slots_np) if logprobs is not None else [],
+            sampler_output=SamplerOutput(verified.sampled, logprobs),
+            num_accepted=verified.num_accepted,
+            offsets=vp.offsets_np.tolist(),
+            prompt_logprobs=prompt_logprobs,
+            prompt_spans=prompt_spans,
+            copy_stream=self.copy_stream,
+        )
+        slots = host_to_device(vp.slots_np, torch.int64, self.device)  # int64 [num_sampled]
+        self._postprocess(slots, SamplerOutput(verified.next_tokens, None))
+        # The output counters advance by the whole run: accepted drafts, then the next token.
+        sampling.num_output_tokens.index_add_(0, slots, verified.num_accepted)
         return output
 
     def _sample(self, hidden_states: torch.Tensor, logits_indices: torch.Tensor,

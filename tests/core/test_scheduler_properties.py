@@ -76,17 +76,14 @@ def _add(loop: EngineLoop, rid: str, op: tuple, max_model_len: int):
     return request
 
 
-@settings(max_examples=100, deadline=None)
-@given(scenarios())
-def test_random_streams_keep_invariants_and_finish(scenario):
-    config, ops = scenario
-    sched = make_scheduler(**config)
-    loop = EngineLoop(sched)
+def run_stream(loop: EngineLoop, ops: list, max_model_len: int) -> None:
+    """Apply ``ops``, finish every request, and hold the outputs to the unpaged reference."""
+    sched = loop.sched
     requests, aborted = {}, set()
     for op in ops:
         if op[0] == "add":
             rid = str(len(requests))
-            requests[rid] = _add(loop, rid, op, config["max_model_len"])
+            requests[rid] = _add(loop, rid, op, max_model_len)
         elif op[0] == "step":
             loop.step()
         elif requests:
@@ -98,20 +95,29 @@ def test_random_streams_keep_invariants_and_finish(scenario):
 
     loop.run_until_done(max_steps=2000)
     check_scheduler_invariants(sched)
-    stats = sched.get_stats()
-    event(f"preempted: {stats.num_preemptions > 0}")
-    event(f"prefix hits: {stats.prefix_cache_hits > 0}")
     assert set(loop.finish_reasons) == set(requests)
     for rid, request in requests.items():
-        expected_tokens, expected_reason = reference_output(request, config["max_model_len"])
+        expected_tokens, expected_reason = reference_output(request, max_model_len)
         got = loop.tokens.get(rid, [])
         if rid in aborted:
             assert loop.finish_reasons[rid] == "abort"
             assert got == expected_tokens[: len(got)]
         else:
             assert (got, loop.finish_reasons[rid]) == (expected_tokens, expected_reason)
+    assert sched.get_stats().generation_tokens == sum(
+        len(loop.tokens.get(rid, [])) for rid in requests)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios())
+def test_random_streams_keep_invariants_and_finish(scenario):
+    config, ops = scenario
+    sched = make_scheduler(**config)
+    loop = EngineLoop(sched)
+    run_stream(loop, ops, config["max_model_len"])
+    stats = sched.get_stats()
+    event(f"preempted: {stats.num_preemptions > 0}")
+    event(f"prefix hits: {stats.prefix_cache_hits > 0}")
     assert sched.kv_cache_manager.usage == 0.0
     assert sched.kv_cache_manager.block_pool.num_free_blocks == config["num_blocks"] - 1
-    stats = sched.get_stats()
-    assert stats.generation_tokens == sum(len(loop.tokens.get(rid, [])) for rid in requests)
     assert stats.prefix_cache_hits <= stats.prefix_cache_queries

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -63,3 +64,23 @@ def test_preemptions_in_the_window_warn(caplog: pytest.LogCaptureFixture) -> Non
     warning = caplog.records[-1]
     assert warning.levelname == "WARNING"
     assert warning.getMessage().startswith("65 request(s) preempted in the last 6 s")
+
+
+def test_speculative_decoding_acceptance_in_the_window(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    stats_logger = StatsLogger(interval=5.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="pagedserve.engine.stats_logger")
+
+    def spec(drafts: int, tokens: int, accepted: int, per_position: tuple[int, ...]):
+        return dataclasses.replace(_stats(10, 10 + accepted), spec_decode_num_drafts=drafts,
+                                   spec_decode_num_draft_tokens=tokens,
+                                   spec_decode_num_accepted_tokens=accepted,
+                                   spec_decode_accepted_per_position=per_position)
+
+    clock.now += 5.0
+    stats_logger.record(spec(2, 4, 3, (2, 1)))
+    clock.now += 5.0
+    stats_logger.record(spec(6, 12, 7, (5, 2)))
+    lines = [r.getMessage() for r in caplog.records if "drafts accepted" in r.getMessage()]
+    assert lines[1].startswith("speculative decoding: 4 of 8 drafts accepted (0.50; per "
+                               "position 0.75, 0.25)")

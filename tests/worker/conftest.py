@@ -59,6 +59,7 @@ def build_runner(
     num_blocks: int = 64,
     max_capture_size: int = 512,
     piecewise_capture_sizes: tuple[int, ...] | None = None,
+    speculative_config: dict | None = None,
 ) -> ModelRunner:
     """A loaded CPU runner (fp32) with a KV cache of ``num_blocks`` blocks; PIECEWISE pads on
     ``piecewise_capture_sizes`` where given (else the sparse default ladder)."""
@@ -66,7 +67,8 @@ def build_runner(
         model=ModelConfig(model=str(model_dir), dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens),
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  speculative_config=speculative_config),
         compilation=CompilationConfig(
             max_capture_size=max_capture_size,
             piecewise_cudagraph_capture_sizes=piecewise_capture_sizes,

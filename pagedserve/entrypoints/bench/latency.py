@@ -22,6 +22,7 @@ from pagedserve.entrypoints.bench.common import (
 from pagedserve.entrypoints.bench.roofline import decode_step_roofline, device_ceilings
 from pagedserve.model.shape import ModelShape
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.report import spec_decode_figures, spec_decode_line
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -68,12 +69,15 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         "output_tok_per_s": args.batch_size / step, "ceilings": ceil.source,
         "device": str(runner.device),
         "cudagraph_modes": _graph_sizes(getattr(runner, "model_runner", None)),
+        **spec_decode_figures(llm.engine_core.get_stats()),
     }  # fmt: skip
     print(
         f"batch {args.batch_size}, context ~{context}: decode step {step * 1e3:.3f} ms, "
         f"roofline {floor * 1e3:.3f} ms ({ceil.source}), ratio {step / floor:.2f}x; "
         f"request latency {result['request_latency_s']:.3f} s"
     )
+    if "spec_decode_num_drafts" in result:
+        print(spec_decode_line(result))
     write_json(args.output_json, result)
     return result
 

@@ -20,6 +20,7 @@ from pagedserve.entrypoints.bench.roofline import device_ceilings, throughput_ro
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.report import spec_decode_figures, spec_decode_line
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +82,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         "num_kv_blocks": core.num_blocks, "ceilings": ceil.source, "device": str(runner.device),
         "gpu_busy_fraction": None if busy is None else busy.busy_fraction,
         **energy_figures(busy, num_out),
+        **spec_decode_figures(core.get_stats()),
     }  # fmt: skip
     print(
         f"{args.num_prompts} prompts, {mean_in} in / {mean_out} out: {elapsed:.1f} s, "
@@ -92,5 +94,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
            f"; {result['energy_j'] / 1e3:.1f} kJ on the card, {result['mean_power_w']:.0f} W "
            f"mean, {result['output_tok_per_j']:.2f} output tok/J")
     )
+    if "spec_decode_num_drafts" in result:
+        print(spec_decode_line(result))
     write_json(args.output_json, result)
     return result

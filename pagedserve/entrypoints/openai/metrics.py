@@ -72,6 +72,9 @@ _STAT_COUNTERS = {
     "grammar_compile_seconds": "Structured outputs: seconds spent compiling grammars.",
     "grammar_cache_queries": "Structured outputs: compiled-grammar cache lookups.",
     "grammar_cache_hits": "Structured outputs: lookups that found the grammar compiled or compiling.",
+    "spec_decode_num_drafts": "Speculative decoding: request-steps that verified drafts.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
 }
 
 
@@ -108,6 +111,11 @@ class ServerMetrics:
             for name, doc in _STAT_COUNTERS.items()
         }
         self._last_counts = dict.fromkeys(_STAT_COUNTERS, 0)
+        self.accepted_per_position = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: drafts accepted at each position of their run.",
+            ["model_name", "position"], registry=reg)
+        self._last_per_position: list[int] = []
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished completions, by finish reason.",
@@ -143,8 +151,18 @@ class ServerMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last_counts[name] = value
+        if stats.spec_decode_accepted_per_position:
+            self._count_per_position(stats.spec_decode_accepted_per_position)
         for seconds in queue_times:
             self.queue_time.observe(seconds)
+
+    def _count_per_position(self, counts: tuple[int, ...]) -> None:
+        last = self._last_per_position or [0] * len(counts)
+        for position, (value, before) in enumerate(zip(counts, last, strict=True)):
+            delta = value - before if value >= before else value
+            if delta > 0:
+                self.accepted_per_position.labels(self.model_name, str(position)).inc(delta)
+        self._last_per_position = list(counts)
 
     def on_engine_dead(self) -> None:
         self.running.set(0)
