@@ -101,7 +101,7 @@ def main() -> None:
     if "tiny" in wanted:
         suite.run("tiny.async_greedy_equal", tiny_check, work)
     llm = None
-    if {"b1", "b64", "t1024", "t2048", "t1000"} & set(wanted):
+    if {"b1", "b64", "t1024", "t2048", "t1000", "structured", "spec"} & set(wanted):
         start = time.perf_counter()
         llm = suite.run("8b.start_cold", make_llm, bench_args(["latency", *engine]))
         suite.log("8b.start_cold_s", seconds=round(time.perf_counter() - start, 1))
