@@ -268,6 +268,11 @@ class Platform(abc.ABC):
         mul, the one-token GEMV forward); else the layers run their torch code."""
 
     @abc.abstractmethod
+    def dense_linear(self) -> Callable[..., torch.Tensor]:
+        """The matmul of unquantized linear layers and the LM head, as ``F.linear``
+        (x, weight, bias=None): the CPU's serves few-row bf16 inputs with its own kernel."""
+
+    @abc.abstractmethod
     def native_bf16(self) -> bool:
         """bf16 matmuls run natively: the dtype ``auto`` resolves to bf16."""
 
@@ -373,6 +378,13 @@ class CpuPlatform(Platform):
     def has_triton_kernels(self) -> bool:
         return False
 
+    def dense_linear(self) -> Callable[..., torch.Tensor]:
+        """``layers/cpu_gemv.py``: a C kernel for bf16 inputs of a few rows, ``F.linear`` for
+        the rest (and everywhere where no C compiler builds the kernel)."""
+        from pagedserve.layers.cpu_gemv import cpu_linear
+
+        return cpu_linear()
+
     def native_bf16(self) -> bool:
         return cpu_has_fast_bf16()
 
@@ -474,6 +486,9 @@ class CudaPlatform(Platform):
 
     def has_triton_kernels(self) -> bool:
         return triton_available()
+
+    def dense_linear(self) -> Callable[..., torch.Tensor]:
+        return torch.nn.functional.linear
 
     def native_bf16(self) -> bool:
         return True
