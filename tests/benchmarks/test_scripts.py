@@ -18,9 +18,9 @@ SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
 
 
 def test_the_kept_scripts_are_the_listed_ones() -> None:
-    assert SCRIPTS == ["attention_sweep", "cpu_profile", "cpu_vs_transformers", "gemv_sweep",
-                       "gpu_profile", "plot_decode", "sampler_bench", "startup_check", "suite",
-                       "tp_check"]
+    assert SCRIPTS == ["attention_sweep", "cpu_profile", "cpu_vs_transformers", "cpu_vs_vllm",
+                       "gemv_sweep", "gpu_profile", "plot_decode", "sampler_bench",
+                       "startup_check", "suite", "tp_check"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
