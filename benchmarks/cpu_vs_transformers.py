@@ -193,6 +193,9 @@ def main() -> None:
     same = dtype_name(resolve_dtype(args.dtype, cpu))  # comparison (a)
     ours_default = dtype_name(resolve_dtype("auto", cpu))  # comparison (b), our side
     threads = args.threads or cpu_thread_count(usable_cpu_cores(), os.getloadavg()[0])
+    # Fixed for every run (spawned processes inherit it): the engine leaves a count set by
+    # OMP_NUM_THREADS alone, where it would otherwise follow the machine's load.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     vocab_size = gguf_to_hf_config(default_model_file()).vocab_size
     work = Workload(
         make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed),

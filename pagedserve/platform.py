@@ -132,6 +132,26 @@ def configure_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
+def no_step_hook() -> None:
+    """What a platform with nothing to adjust between steps hands the engine."""
+
+
+def cpu_thread_governor(max_threads: int) -> Callable[[], None]:
+    """The between-steps hook that keeps torch's thread count to the idle cores
+    (``cpu_threads.ThreadGovernor``), up to ``max_threads``; where the user fixed the count
+    (``OMP_NUM_THREADS``) or ``/proc/stat`` cannot be read, a hook that does nothing."""
+    from pagedserve.cpu_threads import ThreadGovernor, read_cpu_times
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return no_step_hook
+    try:
+        cpus = frozenset(os.sched_getaffinity(0))
+        read_cpu_times(cpus)
+    except (AttributeError, OSError, ValueError):
+        return no_step_hook
+    return ThreadGovernor(len(cpus), max_threads, lambda: read_cpu_times(cpus))
+
+
 # glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -264,14 +284,20 @@ class Platform(abc.ABC):
         mul, the one-token GEMV forward); else the layers run their torch code."""
 
     @abc.abstractmethod
+    def dense_linear(self) -> Callable[..., torch.Tensor]:
+        """The matmul of unquantized linear layers and the LM head, as ``F.linear``
+        (x, weight, bias=None): the CPU's serves few-row bf16 inputs with its own kernel."""
+
+    @abc.abstractmethod
     def native_bf16(self) -> bool:
         """bf16 matmuls run natively: the dtype ``auto`` resolves to bf16."""
 
     # ---- process and ranks ----
 
     @abc.abstractmethod
-    def configure_process(self) -> None:
-        """Start-up settings of an engine process on this device."""
+    def configure_process(self) -> Callable[[], None]:
+        """Start-up settings of an engine process on this device. Returns what the engine
+        calls before each step (the CPU's thread count follows the machine's load)."""
 
     @abc.abstractmethod
     def configure_rank(self, world_size: int) -> None:
@@ -372,18 +398,30 @@ class CpuPlatform(Platform):
     def has_triton_kernels(self) -> bool:
         return False
 
+    def dense_linear(self) -> Callable[..., torch.Tensor]:
+        """``layers/cpu_gemv.py``: a C kernel for bf16 inputs of a few rows, ``F.linear`` for
+        the rest (and everywhere where no C compiler builds the kernel)."""
+        from pagedserve.layers.cpu_gemv import cpu_linear
+
+        return cpu_linear()
+
     def native_bf16(self) -> bool:
         return cpu_has_fast_bf16()
 
-    def configure_process(self) -> None:
-        """The thread count (``configure_cpu_threads``) and the allocator
+    def configure_process(self) -> Callable[[], None]:
+        """The thread count (``configure_cpu_threads``, then ``cpu_thread_governor`` between
+        steps, up to the count torch had before) and the allocator
         (``configure_cpu_allocator``)."""
+        max_threads = min(torch.get_num_threads(), usable_cpu_cores())
         threads = configure_cpu_threads()
         allocator = "tuned" if configure_cpu_allocator() else "default (mallopt missing or refused)"
-        logger.info("CPU start-up: %d torch threads, malloc %s", threads, allocator)
+        logger.info("CPU start-up: %d torch threads (up to %d as cores go idle), malloc %s",
+                    threads, max_threads, allocator)
+        return cpu_thread_governor(max_threads)
 
     def configure_rank(self, world_size: int) -> None:
-        """The ranks share the host's cores; then the engine's thread and malloc policy."""
+        """The ranks share the host's cores; then the engine's thread and malloc policy at
+        start-up (a rank's count stays: the ranks would count each other as the load)."""
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.configure_process()
 
@@ -473,11 +511,14 @@ class CudaPlatform(Platform):
     def has_triton_kernels(self) -> bool:
         return triton_available()
 
+    def dense_linear(self) -> Callable[..., torch.Tensor]:
+        return torch.nn.functional.linear
+
     def native_bf16(self) -> bool:
         return True
 
-    def configure_process(self) -> None:
-        return None
+    def configure_process(self) -> Callable[[], None]:
+        return no_step_hook
 
     def configure_rank(self, world_size: int) -> None:
         torch.cuda.set_device(self.device)

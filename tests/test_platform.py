@@ -177,7 +177,7 @@ def test_configure_process_leaves_gpu_processes_alone(monkeypatch: pytest.Monkey
     monkeypatch.setattr(
         platform, "configure_cpu_allocator", lambda: touched.append("malloc") or True
     )
-    platform.platform_for("cuda:0").configure_process()
+    assert platform.platform_for("cuda:0").configure_process() is platform.no_step_hook
     assert touched == []
     platform.platform_for("cpu").configure_process()
     assert touched == ["threads", "malloc"]

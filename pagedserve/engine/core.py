@@ -136,7 +136,8 @@ class EngineCore:
 
         start = time.perf_counter()
         self.config = resolve_device_and_dtype(config)
-        platform_for(self.config.device).configure_process()  # CPU: thread count, allocator
+        # CPU: thread count (adjusted before each step), allocator
+        self._before_step = platform_for(self.config.device).configure_process()
         # uni / mp / ray, from config.parallel (tensor_parallel_size, distributed_executor_backend)
         self.executor = create_executor(self.config)
         with _timed("load model"), _out_of_memory_as_one_line("load the model"):
@@ -251,6 +252,7 @@ class EngineCore:
         With async scheduling the next step is planned and launched before the host waits for
         the current one's tokens (the device reads them from ``last_sampled_tokens``), so the
         GPU does not idle while the host schedules; each call still completes one step."""
+        self._before_step()
         if self.config.scheduler.async_scheduling:
             while (
                 len(self._in_flight) < _MAX_STEPS_IN_FLIGHT

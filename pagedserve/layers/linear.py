@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.platform import platform_for
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 ShardId = str | int | None
@@ -113,15 +114,17 @@ class LinearMethod(Protocol):
 
 @dataclass(frozen=True)
 class UnquantizedLinearMethod:
-    """The weight in the compute dtype; ``F.linear``."""
+    """The weight in the compute dtype; the platform's ``dense_linear`` (``F.linear``, or on
+    the CPU a kernel for few-row bf16 inputs)."""
 
     def create_weights(self, layer: LinearBase, dtype: torch.dtype, device: torch.device) -> None:
         layer.weight = new_parameter(layer.weight_shape, dtype, device, layer.weight_loader)
+        layer.dense_linear = platform_for(device).dense_linear()
 
     def apply(
         self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return layer.dense_linear(x, layer.weight, bias)
 
     def finish_loading(self, layer: LinearBase) -> None:
         return None
@@ -136,6 +139,8 @@ class LinearBase(nn.Module, abc.ABC):
 
     weight: nn.Parameter
     """[output_size_per_rank, input_size_per_rank]; its dtype is the linear method's."""
+    dense_linear: Callable[..., torch.Tensor]
+    """The platform's matmul (``F.linear``'s signature), set by the unquantized method."""
 
     def __init__(
         self,

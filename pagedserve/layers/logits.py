@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding
@@ -27,7 +26,7 @@ class LogitsProcessor(nn.Module):
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> logits [N, vocab_size] in the model dtype."""
-        logits = F.linear(hidden_states, lm_head.weight)  # [N, vocab rows of this rank]
+        logits = lm_head.dense_linear(hidden_states, lm_head.weight)  # [N, vocab rows of rank]
         if self.tp_size > 1:
             assert self.all_gather is not None  # __init__ requires one when tp_size > 1
             logits = self.all_gather(logits)  # [N, padded vocab]

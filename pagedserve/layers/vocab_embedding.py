@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedserve.layers.linear import AllReduce, new_parameter
 from pagedserve.math_utils import round_up
+from pagedserve.platform import platform_for
 
 VOCAB_PADDING = 64
 
@@ -46,6 +47,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.rows_per_rank
         shape = (self.rows_per_rank, embedding_dim)
         self.weight = new_parameter(shape, dtype, device, self.weight_loader)
+        # The LM head's matmul, when this table is one (LogitsProcessor): F.linear's signature.
+        self.dense_linear = platform_for(device).dense_linear()
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None

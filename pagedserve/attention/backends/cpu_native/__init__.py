@@ -62,22 +62,22 @@ def _compiler_version(cc: str) -> str:
     return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
 
 
-def library_path(cc: str, cache_dir: Path) -> Path:
+def library_path(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
     key = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
+    parts = (source.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
              _compiler_version(cc), _cpu_flags(), platform.machine())
     for part in parts:
         key.update(part if isinstance(part, bytes) else part.encode())
-    return cache_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
+    return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(cc: str, target: Path) -> None:
+def build(cc: str, target: Path, source: Path = SOURCE) -> None:
     """Compile, then link in a separate step (see ``COMPILE_FLAGS``), into temporary files,
     then rename: a concurrent build never sees half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as tmp:
-        obj, lib = os.path.join(tmp, "paged_decode.o"), os.path.join(tmp, target.name)
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj],
+        obj, lib = os.path.join(tmp, f"{source.stem}.o"), os.path.join(tmp, target.name)
+        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", obj],
                     [cc, obj, *LINK_FLAGS, "-o", lib]):  # fmt: skip
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:

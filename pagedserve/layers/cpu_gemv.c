@@ -1,0 +1,145 @@
+/* bf16 matrix products on the CPU: y = x W^T (+ bias).
+ *
+ * Built by layers/cpu_gemv.py with the system C compiler (as attention/backends/cpu_native's
+ * decode kernel) and called through ctypes. Two uses: a decode step of a small batch, whose
+ * time is the weight read (torch's bf16 linear at a few rows is slower than that), and, on
+ * CPUs without native bf16 matmuls, every bf16 linear (torch's emulated bf16 matmul runs at a
+ * fraction of its fp32 rate there).
+ *
+ * Layouts (row strides in elements, the last axis contiguous):
+ *   x    [m, k]  bf16, row stride x_stride
+ *   w    [n, k]  bf16, contiguous (a linear layer's weight)
+ *   bias [n]     bf16 or NULL
+ *   y    [m, n]  bf16, row stride y_stride
+ * Products are exact and sums fp32 (bf16 widened to fp32 by a shift, AVX2 fused multiply-adds
+ * where the CPU has them, else plain C); y is rounded to nearest
+ * even once. `num_threads` OpenMP threads share the output columns, COLS at a time (as many
+ * independent accumulator chains: one chain waits on the dot-product instruction's latency).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ROWS 4 /* rows of x per pass over a group of weight rows (registers) */
+#define ROW_CHUNK 64 /* rows of x whose widened copy one sweep over the weights reuses */
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define COLS 4 /* output columns per pass: independent accumulator chains */
+
+static inline __m256 widen8(const uint16_t *p) { /* 8 bf16 -> fp32 */
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Output columns col..col+cols-1 (cols <= COLS) for every row of x, x widened to fp32 once
+ * (xf [m, k] contiguous): sums[r * COLS + j] = x[r] . w[col + j]. The bf16 weights are
+ * widened by a shift; 8 lanes of fused multiply-adds. */
+static inline __attribute__((always_inline)) void columns_m(
+    const float *xf, const uint16_t *w, int64_t cols, const int64_t m, int64_t k, float *sums) {
+    __m256 acc[MAX_ROWS][COLS];
+    for (int64_t r = 0; r < m; r++)
+        for (int j = 0; j < COLS; j++) acc[r][j] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        for (int j = 0; j < cols; j++) {
+            __m256 wv = widen8(w + j * k + i);
+            for (int64_t r = 0; r < m; r++)
+                acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * k + i), wv, acc[r][j]);
+        }
+    }
+    for (int64_t r = 0; r < m; r++)
+        for (int j = 0; j < cols; j++) {
+            float sum = hsum8(acc[r][j]);
+            for (int64_t t = i; t < k; t++) sum += xf[r * k + t] * bf16_to_float(w[j * k + t]);
+            sums[r * COLS + j] = sum;
+        }
+}
+
+/* One copy per row count: with m a constant the accumulators stay in registers. */
+static void columns(const float *xf, const uint16_t *w, int64_t cols, int64_t m, int64_t k,
+                    float *sums) {
+    switch (m) {
+    case 1: columns_m(xf, w, cols, 1, k, sums); break;
+    case 2: columns_m(xf, w, cols, 2, k, sums); break;
+    case 3: columns_m(xf, w, cols, 3, k, sums); break;
+    default: columns_m(xf, w, cols, 4, k, sums); break;
+    }
+}
+#define WIDENS_X 1
+#else
+#define COLS 4
+
+static void columns(const uint16_t *x, const uint16_t *w, int64_t cols, int64_t m, int64_t k,
+                    int64_t x_stride, float *sums) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < cols; j++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++)
+                acc += bf16_to_float(x[r * x_stride + i]) * bf16_to_float(w[j * k + i]);
+            sums[r * COLS + j] = acc;
+        }
+}
+#endif
+
+int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+              int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t y_stride,
+              int num_threads) {
+    if (m < 1) return 1;
+    int64_t passes = (n + COLS - 1) / COLS;
+#ifdef WIDENS_X
+    float *xf = malloc((size_t)(m * k) * sizeof(float)); /* x widened once: [m, k] */
+    if (xf == NULL) return 2;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_float(x[r * x_stride + i]);
+#endif
+    /* Rows in chunks whose widened x stays in L2 (64 x k floats); within a chunk each pass
+     * reads COLS weight rows once (they stay in L1) for every block of MAX_ROWS rows. */
+    for (int64_t c0 = 0; c0 < m; c0 += ROW_CHUNK) {
+        int64_t c1 = m - c0 < ROW_CHUNK ? m : c0 + ROW_CHUNK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < passes; p++) {
+            int64_t col = p * COLS, cols = n - col < COLS ? n - col : COLS;
+            float sums[MAX_ROWS * COLS];
+            for (int64_t r0 = c0; r0 < c1; r0 += MAX_ROWS) {
+                int64_t rows = c1 - r0 < MAX_ROWS ? c1 - r0 : MAX_ROWS;
+#ifdef WIDENS_X
+                columns(xf + r0 * k, w + col * k, cols, rows, k, sums);
+#else
+                columns(x + r0 * x_stride, w + col * k, cols, rows, k, x_stride, sums);
+#endif
+                for (int64_t j = 0; j < cols; j++) {
+                    float b = bias ? bf16_to_float(bias[col + j]) : 0.0f;
+                    for (int64_t r = 0; r < rows; r++)
+                        y[(r0 + r) * y_stride + col + j] = float_to_bf16(sums[r * COLS + j] + b);
+                }
+            }
+        }
+    }
+#ifdef WIDENS_X
+    free(xf);
+#endif
+    return 0;
+}

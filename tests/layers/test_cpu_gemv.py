@@ -1,0 +1,64 @@
+"""The CPU's few-row bf16 linear kernel against an fp32 reference, and where it steps aside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.layers import cpu_gemv
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_gemv.GemvKernel:
+    linear = cpu_gemv.cpu_linear()
+    if not isinstance(linear, cpu_gemv.GemvKernel):
+        pytest.skip("no C compiler here: the CPU uses F.linear")
+    return linear
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 sums of the exact products, rounded to bf16 once."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w.float(), b).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])  # 7: a block of 4 rows, then 3
+@pytest.mark.parametrize(("k", "n"), [(64, 8), (77, 13), (576, 960)])  # a tail of k, of n
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_sums(kernel, rows: int, k: int, n: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    torch.testing.assert_close(kernel(x, w, bias), reference(x, w, bias), atol=0.05, rtol=0.01)
+
+
+def test_reads_rows_through_their_stride(kernel) -> None:
+    qkv = torch.randn(2, 96).to(torch.bfloat16)
+    x = qkv[:, :64]  # [2, 64], row stride 96
+    w = torch.randn(16, 64).to(torch.bfloat16)
+    torch.testing.assert_close(kernel(x, w), reference(x, w, None), atol=0.05, rtol=0.01)
+
+
+def test_keeps_leading_dims(kernel) -> None:
+    x = torch.randn(1, 3, 32).to(torch.bfloat16)
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    assert kernel(x, w).shape == (1, 3, 8)
+
+
+@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (0, torch.bfloat16)])
+def test_other_inputs_go_to_f_linear(kernel, rows: int, dtype: torch.dtype) -> None:
+    x = torch.randn(rows, 32).to(dtype)
+    w = torch.randn(8, 32).to(dtype)
+    assert not kernel.applies(x, w, None)
+    torch.testing.assert_close(kernel(x, w), F.linear(x, w))
+
+
+def test_native_bf16_keeps_large_batches_on_torch(kernel) -> None:
+    native = cpu_gemv.GemvKernel(kernel.path, cpu_gemv.SMALL_BATCH_ROWS)
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    assert native.applies(torch.randn(cpu_gemv.SMALL_BATCH_ROWS, 32).to(torch.bfloat16), w, None)
+    assert not native.applies(torch.randn(5, 32).to(torch.bfloat16), w, None)
+    emulated = cpu_gemv.GemvKernel(kernel.path, None)
+    assert emulated.applies(torch.randn(64, 32).to(torch.bfloat16), w, None)
