@@ -18,6 +18,11 @@
   ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``, ``VLLM_CACHE_ROOT``
   for the whole run; without ``cold`` the machine's caches are used).
 
+Throughput rows also give output tokens per joule: the card runs these workloads at its power
+limit. pagedserve's bench reads NVML's energy counter around its timed run; for vLLM this
+script samples the counter while the child runs and takes the window of its timed
+``generate``.
+
 Each figure is one JSON line in ``DIR/vs_vllm.jsonl``; the table of every line there (and in
 other folders: ``python benchmarks/vs_vllm.py table DIR [DIR ...]``) prints each figure with
 the ratio pagedserve / vLLM. ``--plan`` prints the runs and their estimated seconds (from the
@@ -32,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,20 +214,108 @@ def execute(run: Run, args: argparse.Namespace, env: dict[str, str]) -> list[dic
     argv, extra = command(run, args)
     print(f"[vs_vllm] {run.engine}: {' '.join(argv)}", flush=True)
     try:
-        done = subprocess.run(argv, env={**os.environ, **env, **extra}, capture_output=True,
-                              text=True, timeout=args.timeout)
+        done = run_timed(argv, {**os.environ, **env, **extra}, args.timeout)
     except subprocess.TimeoutExpired:
         return [record(run.engine, "error", run.max_num_seqs, 0.0,
                        {"workloads": run.workloads, "error": f"timeout {args.timeout} s"})]
-    print(done.stdout[-3000:] + done.stderr[-3000:], flush=True)
+    stdout = "".join(line for _, line in done.lines)
+    print(stdout[-3000:] + done.stderr[-3000:], flush=True)
     if run.engine == "pagedserve":
-        return [json.loads(line[len(CHILD_TAG):]) for line in done.stdout.splitlines()
+        return [json.loads(line[len(CHILD_TAG):]) for line in stdout.splitlines()
                 if line.startswith(CHILD_TAG)]
-    last = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    last = [line for line in stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not last:
         return [record("vllm", "error", run.max_num_seqs, 0.0,
                        {"workloads": run.workloads, "returncode": done.returncode})]
-    return vllm_records(run, json.loads(last[-1]))
+    result = json.loads(last[-1])
+    result.update(vllm_energy(done, result))
+    return vllm_records(run, result)
+
+
+@dataclass
+class TimedRun:
+    """A finished child: its stdout lines with the time each arrived, and the card's energy
+    counter sampled while it ran (empty where NVML cannot be read)."""
+
+    returncode: int
+    lines: list[tuple[float, str]]
+    stderr: str
+    energy: list[tuple[float, float]]
+    """(time.perf_counter(), joules of NVML's total energy counter)."""
+
+
+def run_timed(argv: list[str], env: dict[str, str], timeout: float) -> TimedRun:
+    read_energy = nvml_energy_reader()
+    energy: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while read_energy is not None and not stop.wait(ENERGY_INTERVAL_S):
+            energy.append((time.perf_counter(), read_energy()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        lines: list[tuple[float, str]] = []
+        deadline = time.perf_counter() + timeout
+        assert child.stdout is not None
+        for line in child.stdout:  # the child's prints arrive as they are flushed
+            lines.append((time.perf_counter(), line))
+            if time.perf_counter() > deadline:
+                child.kill()
+                raise subprocess.TimeoutExpired(argv, timeout)
+        child.wait(timeout=max(1.0, deadline - time.perf_counter()))
+        stop.set()
+        err.seek(0)
+        return TimedRun(child.returncode, lines, err.read(), energy)
+
+
+ENERGY_INTERVAL_S = 0.1
+VLLM_READY_LINE = "[bench] LLM() constructed"
+"""bench_vllm.py prints this right before its timed ``generate`` starts."""
+
+
+def nvml_energy_reader() -> Any:
+    """Card 0's total energy counter in joules, without initialising CUDA in this process (the
+    child owns the card), or None where NVML cannot read it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # noqa: BLE001 - no pynvml, no driver, no counter
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+
+
+def energy_between(energy: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """Joules between two times, from the counter's samples (linear between samples)."""
+    if len(energy) < 2 or not energy[0][0] <= start < end <= energy[-1][0]:
+        return None
+    times = [t for t, _ in energy]
+
+    def at(when: float) -> float:
+        i = max(1, next(k for k, t in enumerate(times) if t >= when))
+        (t0, e0), (t1, e1) = energy[i - 1], energy[i]
+        return e0 + (e1 - e0) * (when - t0) / (t1 - t0) if t1 > t0 else e1
+
+    return at(end) - at(start)
+
+
+def vllm_energy(done: TimedRun, result: dict[str, Any]) -> dict[str, Any]:
+    """The card's energy over vLLM's timed throughput ``generate``: it starts when the ready
+    line arrives and lasts the ``wall_s`` the child reports (the same window as
+    pagedserve's own NVML reading in ``bench throughput``)."""
+    ready = [t for t, line in done.lines if line.startswith(VLLM_READY_LINE)]
+    if "wall_s" not in result or not ready:
+        return {}
+    joules = energy_between(done.energy, ready[0], ready[0] + float(result["wall_s"]))
+    if not joules:
+        return {}
+    return {"energy_j": round(joules, 1),
+            "output_tok_per_j": round(result["output_tokens"] / joules, 3)}
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -316,17 +410,32 @@ def unit_of(name: str) -> str:
 def format_table(records: list[dict[str, Any]]) -> str:
     rows = ["| workload | --max-num-seqs | pagedserve | vLLM | pagedserve / vLLM |",
             "|---|---|---|---|---|"]
-    table = figures(records)
+    table, energy = figures(records), tokens_per_joule(records)
     for (name, seqs) in sorted(table, key=lambda k: (ORDER.index(k[0]), k[1])):
         values = table[(name, seqs)]
-        ours, theirs = values.get("pagedserve"), values.get("vllm")
-        unit = unit_of(name)
-        ratio = "—" if ours is None or not theirs else (
-            f"{ours / theirs:.2f}x" + (" the time" if unit != "output tok/s" else ""))
-        rows.append(f"| {name} ({unit}) | {seqs or '—'} | {fmt(ours)} | {fmt(theirs)} | {ratio} |")
+        rows.append(table_row(f"{name} ({unit_of(name)})", seqs, values, unit_of(name)))
+        if (name, seqs) in energy:
+            rows.append(table_row(f"{name} (output tok/J)", seqs, energy[(name, seqs)], "tok/J"))
     errors = [r for r in records if r["workload"] == "error"]
     rows += [f"error: {r['engine']} {r['raw']}" for r in errors]
     return "\n".join(rows)
+
+
+def table_row(label: str, seqs: int, values: dict[str, float], unit: str) -> str:
+    ours, theirs = values.get("pagedserve"), values.get("vllm")
+    ratio = "—" if ours is None or not theirs else (
+        f"{ours / theirs:.2f}x" + (" the time" if unit in ("ms", "s") else ""))
+    return f"| {label} | {seqs or '—'} | {fmt(ours)} | {fmt(theirs)} | {ratio} |"
+
+
+def tokens_per_joule(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, float]]:
+    """(workload, max_num_seqs) -> engine -> output tokens per joule, where it was measured."""
+    table: dict[tuple[str, int], dict[str, float]] = {}
+    for rec in records:
+        value = (rec.get("raw") or {}).get("output_tok_per_j")
+        if value and rec["workload"] in WORKLOADS:
+            table.setdefault((rec["workload"], rec["max_num_seqs"]), {})[rec["engine"]] = value
+    return table
 
 
 def fmt(value: float | None) -> str:

@@ -95,3 +95,21 @@ def test_run_against_a_stand_in_peer(vs: ModuleType, tmp_path: Path, capsys) -> 
     assert "| b64 (ms) | 256 | — | 4.94 | — |" in table
     vs.main(["table", str(out)])
     assert "| t1000 (output tok/s) | 1024 | — | 8,429 | — |" in capsys.readouterr().out
+
+
+def test_energy_of_the_timed_window(vs: ModuleType) -> None:
+    samples = [(float(t), 100.0 + 700.0 * t) for t in range(11)]  # 700 W from t = 0 to 10 s
+    assert vs.energy_between(samples, 2.5, 6.5) == pytest.approx(2800.0)
+    assert vs.energy_between(samples, 2.5, 12.0) is None  # the window ran past the samples
+    done = vs.TimedRun(0, [(1.0, "[bench] noise\n"), (2.0, vs.VLLM_READY_LINE + " in 9 s\n")],
+                       "", samples)
+    figures = vs.vllm_energy(done, {"wall_s": 5.0, "output_tokens": 7000})
+    assert figures == {"energy_j": 3500.0, "output_tok_per_j": 2.0}
+    assert vs.vllm_energy(done, {"decode_ms_per_step": 4.9}) == {}  # a latency run
+
+
+def test_table_gives_tokens_per_joule_beside_throughput(vs: ModuleType) -> None:
+    ours = vs.record("pagedserve", "t1000", 256, 9780.0, {"output_tok_per_j": 14.0})
+    theirs = vs.record("vllm", "t1000", 256, 9563.0, {"output_tok_per_j": 12.5})
+    lines = vs.format_table([ours, theirs]).splitlines()
+    assert "| t1000 (output tok/J) | 256 | 14.00 | 12.50 | 1.12x |" in lines
