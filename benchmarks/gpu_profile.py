@@ -10,6 +10,10 @@ waited for the host. Results go to DIR/profile.json (and a Chrome trace of the b
 Scenarios drive the engine step by step (``LLM.add_request`` / ``LLM.step``), so a step here
 is exactly one engine step: schedule, prepare inputs, forward, sample, update. The ``sweep``
 is what ``plot_decode.py`` draws.
+
+``--quantization fp8 --kv-cache-dtype fp8`` profile the FP8 engine (engine options as in
+``pagedserve generate``); running the script twice, with and without them, into two folders
+compares bf16 and FP8 kernel time by category, e.g. ``--scenarios b256,prefill``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import CompilationConfig, choices_of
+from pagedserve.config import KV_CACHE_DTYPES, CompilationConfig, ModelConfig, choices_of
 from pagedserve.entrypoints.bench.gpu_busy import busy_union_us
 
 CONFIGS = Path(__file__).resolve().parent / "model-configs"
@@ -38,7 +42,7 @@ CATEGORIES = [
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|splitK", re.I)),
     ("attention", re.compile(r"paged_attention|split_kv|reduce_splits", re.I)),
     ("rotary + kv_write", re.compile(r"kv_write", re.I)),
-    ("SiLU-and-mul", re.compile(r"_silu_and_mul_kernel")),
+    ("SiLU-and-mul", re.compile(r"_silu_and_mul(_fp8)?_kernel")),
     ("add + RMSNorm", re.compile(r"_fused_add_rms_norm_kernel")),
     ("input_prep", re.compile(r"prepare_|combine_sampled|gather_block_tables|slot_mappings")),
     ("sampler", re.compile(r"sampl|gumbel|argmax|topk|top_k|sort|radix|softmax|exponential", re.I)),
@@ -160,6 +164,11 @@ def main() -> None:
     parser.add_argument("--one-token-step", default=CompilationConfig.one_token_step,
                         choices=choices_of(CompilationConfig, "one_token_step"),
                         help="how batch-1 decode steps run (engine option)")
+    parser.add_argument("--quantization", default=None,
+                        choices=choices_of(ModelConfig, "quantization"),
+                        help="weights' quantization (engine option; default: as stored)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV cache element type (engine option)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,8 +176,10 @@ def main() -> None:
     shutil.copy(CONFIGS / args.config, work / "config.json")
     llm = LLM(model=str(work), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               gpu_memory_utilization=0.85, max_num_seqs=256,
-              one_token_step=args.one_token_step)  # fmt: skip
-    results: dict[str, Any] = {"config": args.config}
+              one_token_step=args.one_token_step, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+    results: dict[str, Any] = {"config": args.config, "quantization": args.quantization,
+                               "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
     plans = {"b1": (1, 1024), "b64": (64, 1024), "b256": (256, 1500)}
     for name in args.scenarios.split(","):
         if name == "prefill":

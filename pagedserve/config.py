@@ -116,6 +116,11 @@ class CacheConfig:
     """Element type of the KV cache: auto (the model's dtype), or fp8 / fp8_e4m3 (float8 e4m3
     with a scale per layer for keys and one for values: the checkpoint's k_scale / v_scale,
     else 1.0; twice the tokens fit). fp8_e5m2 is refused."""
+    calculate_kv_scales: bool = False
+    """FP8 cache: give each layer that has no k_scale / v_scale in the checkpoint scales computed
+    from the first step with tokens (amax / 448, before that step writes the cache) instead of
+    1.0. Needs kv_cache_dtype fp8 and, on a GPU, enforce_eager (the attention kernels take the
+    scales as launch arguments, which a CUDA graph would keep from its capture)."""
 
     def __post_init__(self) -> None:
         # frozen: the one normalisation, text with a unit -> bytes, before the checks
@@ -142,6 +147,11 @@ class CacheConfig:
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype: {self.kv_cache_dtype!r} is not supported; supported: "
             + ", ".join(KV_CACHE_DTYPES),
+        )
+        require(
+            not self.calculate_kv_scales or self.kv_cache_dtype != "auto",
+            "calculate_kv_scales: needs kv_cache_dtype fp8 (a cache in the model's dtype has no "
+            "scales)",
         )
 
 

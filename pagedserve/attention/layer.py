@@ -10,12 +10,17 @@ runner binds the cache tensors and the backend once with ``bind_kv_caches``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from pagedserve.attention.backends.base import UNIT_KV_SCALES, AttentionBackend, KVScales
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.kv_quant import calibrated_kv_scales
+
+logger = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
@@ -37,6 +42,10 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = TorchRefBackend()
         # Scales of an FP8 cache (the checkpoint's k_scale / v_scale, set at load; else 1.0).
         self.kv_scales: KVScales = UNIT_KV_SCALES
+        # Set by the runner once start-up is over (``calculate_kv_scales``, a layer without
+        # checkpoint scales): the next forward with tokens sets ``kv_scales`` from its own keys
+        # and values before writing them, then clears this.
+        self.calibrate_kv_scales = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -108,6 +117,12 @@ def paged_attention(
     metadata = ctx.attn_metadata[layer.layer_name]
     slot_mapping = ctx.slot_mapping[layer.layer_name]
     num_tokens = query.shape[0]
+    if layer.calibrate_kv_scales and metadata.num_actual_tokens > 0:
+        real = metadata.num_actual_tokens  # rows past it are padding
+        layer.kv_scales = calibrated_kv_scales(key[:real], value[:real], layer.head_dim)
+        layer.calibrate_kv_scales = False
+        logger.debug("%s: KV scales calibrated on %d tokens: k %.4g, v %.4g", layer.layer_name,
+                     real, layer.kv_scales.k, layer.kv_scales.v)
     query = layer.backend.rope_and_write_kv(
         query, key, value, cos_sin, layer.kv_cache, slot_mapping, layer.kv_scales
     )  # rotated [T, Hq * D]

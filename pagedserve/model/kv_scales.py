@@ -12,8 +12,9 @@ one for the values of each layer. Checkpoints name them in several ways, all per
 
 Only a scale per tensor is supported (one value; a per-head scale is refused by name). A layer
 without scales in the checkpoint keeps 1.0 (``UNIT_KV_SCALES``), which holds the values as they
-are, saturating beyond +-448. Scales load whatever ``kv_cache_dtype`` is; a cache in the model's
-dtype ignores them.
+are, saturating beyond +-448, unless ``calculate_kv_scales`` has the first step with tokens
+compute them (``worker/kv_cache.arm_kv_calibration``). Scales load whatever ``kv_cache_dtype``
+is; a cache in the model's dtype ignores them.
 """
 
 from __future__ import annotations

@@ -101,6 +101,18 @@ def log_kv_cache_dtype(layers: dict[str, Attention], dtype: torch.dtype) -> None
                 len(layers))
 
 
+def arm_kv_calibration(layers: dict[str, Attention]) -> None:
+    """``calculate_kv_scales``: each layer without checkpoint scales takes its scales from the
+    next forward with tokens (``attention/kv_quant.calibrated_kv_scales``); the checkpoint's
+    scales are kept where it has them."""
+    armed = [layer for layer in layers.values() if layer.kv_scales is UNIT_KV_SCALES]
+    for layer in armed:
+        layer.calibrate_kv_scales = True
+    logger.info("FP8 KV cache (e4m3): k/v scales of %d of %d layers will be calibrated on the "
+                "first step with tokens (amax / 448); %d from the checkpoint", len(armed),
+                len(layers), len(layers) - len(armed))
+
+
 def kv_bytes_per_block(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> int:
     elem_size = torch.empty((), dtype=dtype).element_size()
     per_layer = [math.prod(layer.kv_cache_shape(1, block_size)) for layer in layers.values()]

@@ -126,6 +126,10 @@ class ModelRunner:
         # depend on it: see padded_buffer_sizes).
         self.graphs = CudaGraphManager(self.config, ModelShape.from_hf_config(self.hf_config),
                                        self.max_model_len, self.device)
+        if self.config.cache.calculate_kv_scales and self.graphs.enabled:
+            raise ValueError("calculate_kv_scales: CUDA graphs would keep the scales of their "
+                             "capture (the attention kernels take them as launch arguments); "
+                             "run with enforce_eager")
         self.layer_names = list(self.attn_layers)
         # Every array the host writes for the device each step (the sampling parameters
         # included), in one buffer: one copy.
@@ -167,8 +171,12 @@ class ModelRunner:
 
     def capture_graphs(self) -> dict[str, list[int]]:
         """Capture the FULL and PIECEWISE graphs (after the KV cache exists; {} where graphs
-        are off)."""
-        return self.graphs.capture(self, self.compiled_forward, self.num_blocks)
+        are off). The last start-up call: KV-scale calibration is armed here, so that only a
+        step with real tokens calibrates (``kv_cache.arm_kv_calibration``)."""
+        captured = self.graphs.capture(self, self.compiled_forward, self.num_blocks)
+        if self.config.cache.calculate_kv_scales:
+            kv_cache.arm_kv_calibration(self.attn_layers)
+        return captured
 
     def _fit_cpu_context(self, max_model_len: int) -> int:
         """On the CPU the KV budget is known before anything is sized: shorten a context that

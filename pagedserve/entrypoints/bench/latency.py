@@ -19,7 +19,11 @@ from pagedserve.entrypoints.bench.common import (
     random_prompts,
     write_json,
 )
-from pagedserve.entrypoints.bench.roofline import decode_step_roofline, device_ceilings
+from pagedserve.entrypoints.bench.roofline import (
+    decode_step_roofline,
+    device_ceilings,
+    run_precision,
+)
 from pagedserve.model.shape import ModelShape
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.report import spec_decode_figures, spec_decode_line
@@ -58,10 +62,12 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
     step = (float(np.median(t_full)) - float(np.median(t_first))) / (args.output_len - 1)
 
     runner = llm.engine_core.executor  # hf_config, dtype, device for every TP backend
-    shape = ModelShape.from_hf_config(runner.hf_config, torch.finfo(runner.dtype).bits // 8)
+    dtype_bytes = torch.finfo(runner.dtype).bits // 8
+    shape = ModelShape.from_hf_config(runner.hf_config, dtype_bytes)
+    precision = run_precision(llm.engine_core.config, runner.hf_config, dtype_bytes)
     ceil = device_ceilings(runner.device)
     context = args.input_len + args.output_len // 2
-    floor = decode_step_roofline(shape, args.batch_size, context, ceil)
+    floor = decode_step_roofline(shape, args.batch_size, context, ceil, precision)
     result = {
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "decode_step_ms": step * 1e3, "roofline_step_ms": floor * 1e3,

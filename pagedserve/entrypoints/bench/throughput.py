@@ -16,7 +16,11 @@ from pagedserve.entrypoints.bench.common import (
     write_json,
 )
 from pagedserve.entrypoints.bench.gpu_busy import GpuBusySampler
-from pagedserve.entrypoints.bench.roofline import device_ceilings, throughput_roofline
+from pagedserve.entrypoints.bench.roofline import (
+    device_ceilings,
+    run_precision,
+    throughput_roofline,
+)
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for
 from pagedserve.sampling_params import SamplingParams
@@ -63,14 +67,16 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
     num_in = sum(in_lens)
 
     core = llm.engine_core
-    shape = ModelShape.from_hf_config(runner.hf_config, torch.finfo(runner.dtype).bits // 8)
+    dtype_bytes = torch.finfo(runner.dtype).bits // 8
+    shape = ModelShape.from_hf_config(runner.hf_config, dtype_bytes)
+    precision = run_precision(llm.engine_core.config, runner.hf_config, dtype_bytes)
     ceil = device_ceilings(runner.device)
     kv_tokens = core.num_blocks * core.config.cache.block_size
     mean_in, mean_out = int(np.mean(in_lens)), int(np.mean(out_lens))
     max_batch = min(core.config.scheduler.max_num_seqs, kv_tokens // (mean_in + mean_out))
     floor = throughput_roofline(
         shape, args.num_prompts, mean_in, mean_out, max_batch,
-        core.config.scheduler.max_num_batched_tokens, ceil,
+        core.config.scheduler.max_num_batched_tokens, ceil, precision,
     )  # fmt: skip
     roofline_tps = num_out / floor
     result = {

@@ -107,12 +107,20 @@ def _scaled_mm_rows(
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """xq float8 [M, K] with x_scale fp32 [M, 1] -> [M, N] in ``out_dtype``."""
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                           out_dtype=torch.bfloat16)  # [M, N]
-    out = out.to(out_dtype)
+    out = scaled_mm(xq, x_scale, weight, weight_scale).to(out_dtype)  # [M, N]
     if bias is not None:
         out = out + bias
     return out
+
+
+def scaled_mm(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """``torch._scaled_mm`` of xq float8 [M, K] and weight float8 [N, K] -> bf16 [M, N].
+    Row-wise with x_scale fp32 [M, 1] and weight_scale fp32 [N, 1] (or [N]); per tensor when
+    both hold one element."""
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                            out_dtype=torch.bfloat16)
 
 
 @_fp8_linear_op.register_fake

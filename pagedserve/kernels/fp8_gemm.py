@@ -1,0 +1,153 @@
+"""An FP8 GEMM in Triton: ``out = (a * a_scale) @ (b * b_scale)^T``, scales in the epilogue.
+
+``a`` is the activation, float8_e4m3fn [M, K]; ``b`` the weight, float8_e4m3fn [N, K] (an
+nn.Linear's layout); the scales are fp32, either one per row of ``a`` ([M, 1]) and one per row
+of ``b`` ([N, 1]) (row-wise: per token x per output channel, the engine's scheme) or one per
+tensor (one element each); the output is bf16 [M, N]. Each program owns a BLOCK_M x BLOCK_N
+tile of the output, sums FP8 tile products in fp32 over K (``tl.dot`` on float8e4nv operands:
+Hopper's FP8 tensor cores) and multiplies by ``a_scale[m] * b_scale[n]`` once at the end: the
+scales are constant along K, so scaling the sum equals scaling every product.
+
+A per-tensor scale is read through a stride of 0, so both scalings run the same code (no flag).
+Programs are ordered in groups of GROUP_M row tiles, so consecutive programs share the same
+``b`` tiles in L2 (the weight is the large operand at decode-sized M).
+
+This is the candidate ``benchmarks/fp8_gemm_sweep.py`` times against ``torch._scaled_mm``;
+the engine's FP8 linears call ``_scaled_mm`` (``layers/quantization/fp8_ops.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One launch shape: the output tile, the K step, row-tile grouping, warps and pipeline
+    depth (tl.dot on FP8 needs BLOCK_K >= 32 and every block >= 16)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two >= 16, got {value}")
+        if self.block_k < 32:
+            raise ValueError(f"block_k: FP8 dots need at least 32, got {self.block_k}")
+        if self.group_m < 1:
+            raise ValueError(f"group_m: must be >= 1, got {self.group_m}")
+
+
+# Launch shapes the sweep tries (no autotuning in the engine: the sweep picks per shape).
+# Small tiles for decode-sized M (many programs over N), large ones for prefill-sized M.
+FP8_GEMM_CONFIGS = (
+    Fp8GemmConfig(16, 64, 256, 1, 4, 4),
+    Fp8GemmConfig(32, 128, 128, 4, 4, 4),
+    Fp8GemmConfig(64, 128, 128, 8, 4, 4),
+    Fp8GemmConfig(64, 256, 128, 8, 8, 3),
+    Fp8GemmConfig(128, 128, 128, 8, 8, 3),
+    Fp8GemmConfig(128, 256, 128, 8, 8, 3),
+)
+DEFAULT_FP8_GEMM_CONFIG = FP8_GEMM_CONFIGS[4]
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr,  # float8 [M, K]
+    b_ptr,  # float8 [N, K]
+    out_ptr,  # bf16 [M, N]
+    a_scale_ptr,  # fp32 [M] (stride 1) or [1] (stride 0)
+    b_scale_ptr,  # fp32 [N] (stride 1) or [1] (stride 0)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_as,
+    stride_bs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+    tile_n = (pid % (GROUP_M * tiles_n)) // group_size
+
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    a_tile = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    b_tile = b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = (k + ks) < K
+        a = tl.load(a_tile + k, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(b_tile + k, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc)
+
+    a_scale = tl.load(a_scale_ptr + rows * stride_as, mask=rows < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr + cols * stride_bs, mask=cols < N, other=0.0)
+    out = acc * a_scale[:, None] * b_scale[None, :]
+    dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(dst, out.to(tl.bfloat16), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def _scale_stride(scale: torch.Tensor, rows: int, name: str) -> int:
+    """0 for one scale per tensor, 1 for one per row (``rows`` of them, contiguous)."""
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}: must be float32, got {scale.dtype}")
+    if scale.numel() == 1:
+        return 0
+    if scale.numel() != rows or not scale.is_contiguous():
+        raise ValueError(f"{name}: one scale or {rows} contiguous ones, got {list(scale.shape)}")
+    return 1
+
+
+def fp8_gemm(
+    a: torch.Tensor,  # float8_e4m3fn [M, K]
+    a_scale: torch.Tensor,  # fp32 [M, 1] or one element
+    b: torch.Tensor,  # float8_e4m3fn [N, K]
+    b_scale: torch.Tensor,  # fp32 [N, 1] or one element
+    config: Fp8GemmConfig = DEFAULT_FP8_GEMM_CONFIG,
+) -> torch.Tensor:
+    """(a * a_scale) @ (b * b_scale)^T as bf16 [M, N]; rows of ``a`` and ``b`` contiguous."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != FP8_DTYPE or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name}: a row-major float8_e4m3fn matrix, got {t.dtype} "
+                             f"{list(t.shape)} strides {t.stride()}")  # fmt: skip
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"b: K = {b.shape[1]} differs from a's {k}")
+    stride_as = _scale_stride(a_scale, m, "a_scale")
+    stride_bs = _scale_stride(b_scale, n, "b_scale")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)  # [M, N]
+    if m == 0 or n == 0:
+        return out
+    c = config
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
+    _fp8_gemm_kernel[grid](
+        a, b, out, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0),
+        stride_as, stride_bs,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,58 @@
+"""The Triton FP8 GEMM against the product of its dequantized operands in float64, row-wise
+and per-tensor scales, ragged edges in M, N and K. Runs under the interpreter in CI, compiled
+on a GPU with ``TRITON_INTERPRET=0``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import DEVICE
+
+from pagedserve.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
+from pagedserve.layers.quantization.fp8_ops import FP8_MAX, quantize_rows
+
+SMALL = Fp8GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2)
+
+
+def _reference(a, a_scale, b, b_scale) -> torch.Tensor:  # noqa: ANN001
+    """fp64 [M, N] of the dequantized operands."""
+    a64 = a.cpu().double() * a_scale.cpu().double().reshape(-1, 1)
+    b64 = b.cpu().double() * b_scale.cpu().double().reshape(-1, 1)
+    return a64 @ b64.T
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    return float((out.cpu().double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(37, 70, 100), (16, 32, 64)])
+def test_rowwise_scales(m: int, n: int, k: int) -> None:
+    a, a_scale = quantize_rows(torch.randn(m, k) * 3)
+    b, b_scale = quantize_rows(torch.randn(n, k) * 0.02)
+    a_scale, b_scale = a_scale.unsqueeze(1), b_scale.unsqueeze(1)  # [M, 1], [N, 1]
+    out = fp8_gemm(a.to(DEVICE), a_scale.to(DEVICE), b.to(DEVICE), b_scale.to(DEVICE), SMALL)
+    # fp32 sums of exact FP8 products, one bf16 rounding at the end
+    assert _rel_err(out, _reference(a, a_scale, b, b_scale)) < 5e-3
+
+
+def test_per_tensor_scales() -> None:
+    x, w = torch.randn(20, 96), torch.randn(50, 96) * 0.1
+    a_scale = (x.abs().amax() / FP8_MAX).reshape(1)  # fp32 [1]
+    b_scale = (w.abs().amax() / FP8_MAX).reshape(1)
+    a, b = (x / a_scale).to(torch.float8_e4m3fn), (w / b_scale).to(torch.float8_e4m3fn)
+    out = fp8_gemm(a.to(DEVICE), a_scale.to(DEVICE), b.to(DEVICE), b_scale.to(DEVICE), SMALL)
+    assert _rel_err(out, _reference(a, a_scale, b, b_scale)) < 5e-3
+
+
+def test_bad_input_is_named() -> None:
+    a = torch.zeros(4, 32).to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="b: K = 16"):
+        fp8_gemm(a, one, torch.zeros(8, 16).to(torch.float8_e4m3fn), one, SMALL)
+    with pytest.raises(ValueError, match="a_scale"):
+        fp8_gemm(a, torch.ones(3), a, one, SMALL)
+    with pytest.raises(ValueError, match="a: a row-major float8"):
+        fp8_gemm(a.float(), one, a, one, SMALL)
+    with pytest.raises(ValueError, match="block_k"):
+        Fp8GemmConfig(16, 16, 16)
