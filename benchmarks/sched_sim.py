@@ -79,6 +79,9 @@ def simulate(args: argparse.Namespace, max_num_seqs: int) -> SimResult:
         max_num_batched_tokens=args.max_num_batched_tokens,
         async_scheduling=not args.sync,
         admission_policy=args.admission_policy,
+        admission_ratio_init=args.admission_ratio_init,
+        admission_ratio_min=args.admission_ratio_min,
+        admission_ratio_decay_steps=args.admission_ratio_decay_steps,
     )
     cache = CacheConfig(block_size=args.block_size)
     sched = Scheduler(config, cache, args.max_model_len, args.num_blocks)
@@ -149,6 +152,9 @@ def main() -> None:
         default=SchedulerConfig.admission_policy,
         choices=["reserve", "ratio", "greedy"],
     )
+    for name in ("admission_ratio_init", "admission_ratio_min", "admission_ratio_decay_steps"):
+        default = getattr(SchedulerConfig, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     parser.add_argument(
         "--sync",
         action="store_true",

@@ -3,7 +3,7 @@
 Greedy admission (vLLM's rule) takes a waiting request whenever its prompt's blocks are free.
 When ``max_num_seqs`` requests at full length do not fit in the KV cache, the running requests
 then outgrow the cache and are preempted, and each preemption recomputes the victim's prompt
-and output: work done twice. ``reserve`` admission (SGLang's ``new_token_ratio``) holds back a
+and output: work done twice. Admission with a reserve (SGLang's ``new_token_ratio``) holds back a
 reserve for the future tokens of every running request:
 
     reserve(r) = ceil(ratio * tokens r may still generate)        (tokens)

@@ -29,6 +29,9 @@ def workload(policy: str, sync: bool = False) -> argparse.Namespace:
         max_model_len=64,
         max_num_batched_tokens=64,
         admission_policy=policy,
+        admission_ratio_init=0.7,
+        admission_ratio_min=0.1,
+        admission_ratio_decay_steps=600,
         sync=sync,
     )
 
