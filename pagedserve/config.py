@@ -235,6 +235,23 @@ class SchedulerConfig:
     """Plan and launch step N+1 before waiting for step N's tokens (the GPU never idles while
     the host schedules; the output is the same). None: on for GPUs, off on the CPU, whose
     torch ops finish before the host goes on anyway."""
+    admission_policy: Literal["reserve", "ratio", "greedy"] = "reserve"
+    """How waiting requests are admitted. ratio (SGLang's rule): only while the free KV
+    blocks, after a reserve for the running requests' future tokens (their remaining
+    max_tokens times a ratio that starts at admission_ratio_init, decays towards
+    admission_ratio_min and jumps back on a preemption), still hold the request's prompt and
+    its own reserve. reserve: ratio, but the tokens of a request that only its length can
+    stop (ignore_eos, no stop tokens or strings) are reserved in full, so such requests are
+    never preempted for lack of blocks. greedy (vLLM's rule): whenever the prompt's blocks
+    are free, preempting (and recomputing) running requests when they outgrow the cache."""
+    admission_ratio_init: float = 0.7
+    """reserve admission: the ratio of each running request's remaining max_tokens held in
+    reserve at start, after a preemption, and whenever the scheduler has no request."""
+    admission_ratio_min: float = 0.1
+    """reserve admission: the lowest the ratio decays to."""
+    admission_ratio_decay_steps: int = 600
+    """reserve admission: steps (with requests running and none preempted) over which the
+    ratio falls from admission_ratio_init to admission_ratio_min, linearly."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding, as a JSON object (``{"method": "ngram",
     "num_speculative_tokens": 3}``) or a dict; None: off."""
@@ -248,6 +265,15 @@ class SchedulerConfig:
         require(
             self.max_num_batched_tokens >= 1,
             f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        require(
+            0.0 <= self.admission_ratio_min <= self.admission_ratio_init <= 1.0,
+            "admission_ratio_init, admission_ratio_min: need 0 <= min <= init <= 1, got "
+            f"init={self.admission_ratio_init}, min={self.admission_ratio_min}",
+        )
+        require(
+            self.admission_ratio_decay_steps >= 1,
+            f"admission_ratio_decay_steps: must be >= 1, got {self.admission_ratio_decay_steps}",
         )
 
 

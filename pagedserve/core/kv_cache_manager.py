@@ -172,6 +172,11 @@ class KVCacheManager:
                 self.block_pool.uncache(block)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table (0 while it holds none: waiting or preempted)."""
+        blocks = self.req_to_blocks.get(request_id)
+        return 0 if blocks is None else len(blocks)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return ([block.block_id for block in self.req_to_blocks.get(request_id, [])],)
 

@@ -8,7 +8,10 @@ catches up with its token count; a step gives each request some tokens out of on
    running request is preempted: blocks freed, back to the front of the waiting queue, its
    generated tokens kept so it resumes where it was after recomputing them;
 2. then waiting requests (new or preempted), after a prefix-cache lookup, unless a preemption
-   happened this step (blocks are short) or ``max_num_seqs`` requests are running.
+   happened this step (blocks are short) or ``max_num_seqs`` requests are running. Under the
+   ``reserve`` and ``ratio`` admission policies (``core/admission.py``; reserve is the
+   default) a request is admitted only if the running requests keep a reserve of blocks for
+   their future tokens; under ``greedy`` whenever its first blocks are free.
 
 A constrained request (structured outputs) waits in ``waiting_for_grammar`` until its grammar
 is compiled, then joins the waiting queue; its matcher advances with every token appended
@@ -33,6 +36,7 @@ import time
 from collections.abc import Iterable
 
 from pagedserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedserve.core.admission import RatioAdmission, make_admission
 from pagedserve.core.block_pool import KVCacheBlock
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request import Request, RequestStatus
@@ -106,6 +110,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         """Finished since the last ``schedule()``; handed to the runner in the next plan."""
         self.num_preemptions = 0
+        self.admission: RatioAdmission | None = make_admission(scheduler_config, max_model_len)
+        """None under the ``greedy`` admission policy."""
         self.prompt_tokens = 0
         self.generation_tokens = 0
         spec = scheduler_config.speculative_config
@@ -132,6 +138,8 @@ class Scheduler:
             raise ValueError(
                 f"max_tokens: request {rid!r} must allow >= 1, got {request.max_tokens}"
             )
+        if not self.requests and self.admission is not None:
+            self.admission.reset()  # a burst after a pause starts cautious, as at start-up
         self.requests[rid] = request
         if request.structured_output is not None:
             self.num_constrained_requests += 1
@@ -213,6 +221,11 @@ class Scheduler:
         self._schedule_running(plan, self._propose() if self.proposer is not None else None)
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if self.admission is not None:
+            if plan.preempted:
+                self.admission.reset()  # the reserve was too small
+            elif plan.num_scheduled_tokens:
+                self.admission.decay()
         finished, self.finished_req_ids = self.finished_req_ids, set()
         output = plan.to_output(self.kv_cache_manager.get_block_ids, finished)
         self._advance(plan)
@@ -344,10 +357,20 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         max_num_seqs = self.scheduler_config.max_num_seqs
+        kv = self.kv_cache_manager
+        admission = self.admission
+        # Blocks held back for the running requests' future tokens (reserve admission): summed
+        # at the first request that needs it, then kept up to date as requests join.
+        reserved: int | None = None
         while self.waiting and plan.token_budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek()
-            kv = self.kv_cache_manager
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
+            # With nothing running the head goes in whenever it fits: no reserve, no deadlock.
+            if admission is not None and self.running:
+                if reserved is None:
+                    reserved = admission.reserved_blocks(self.running, kv)
+                if not admission.admits(request, computed_blocks, reserved, kv):
+                    break  # head-of-line, like a failed allocation
             num_new_tokens = request.num_tokens - num_cached_tokens
             if num_new_tokens > plan.token_budget:
                 if not self.scheduler_config.enable_chunked_prefill:
@@ -361,6 +384,9 @@ class Scheduler:
             self.waiting.pop()
             self._admit(request, num_cached_tokens)
             plan.add_new(request, num_new_tokens)
+            if reserved is not None:
+                assert admission is not None
+                reserved += admission.future_blocks(request, kv)
 
     def _admit(self, request: Request, num_cached_tokens: int) -> None:
         self.running.append(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -23,7 +24,7 @@ def make_request(
     max_tokens: int = 16,
     priority: int = 0,
     arrival_time: float | None = None,
-    **sampling: object,
+    **sampling: Any,
 ) -> Request:
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     arrival = float(int(rid)) if arrival_time is None and rid.isdigit() else arrival_time
@@ -35,7 +36,7 @@ def make_scheduler(
     block_size: int = 4,
     max_model_len: int = 64,
     enable_prefix_caching: bool = True,
-    **scheduler_kwargs: object,
+    **scheduler_kwargs: Any,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(**scheduler_kwargs),

@@ -85,7 +85,8 @@ def test_prompt_that_does_not_fit_waits_without_chunked_prefill(chunked, expecte
 
 def test_preemption_when_blocks_run_out_and_resumption_with_same_history():
     # 4 usable blocks of 4 tokens: two requests of 6 prompt tokens fill them at 8 tokens each.
-    sched = make_scheduler(num_blocks=5, max_model_len=16)
+    # Greedy admission: the reserve policy would hold the second back (it avoids preemption).
+    sched = make_scheduler(num_blocks=5, max_model_len=16, admission_policy="greedy")
     loop = EngineLoop(sched)
     reqs = [make_request(str(i), [3 + i] * 6, max_tokens=8, ignore_eos=True) for i in range(2)]
     for r in reqs:
@@ -117,7 +118,8 @@ def test_preemption_when_blocks_run_out_and_resumption_with_same_history():
 
 
 def test_priority_policy_preempts_lowest_priority_even_itself():
-    sched = make_scheduler(num_blocks=5, max_model_len=16, policy="priority")
+    sched = make_scheduler(num_blocks=5, max_model_len=16, policy="priority",
+                           admission_policy="greedy")
     loop = EngineLoop(sched)
     low = make_request("0", [3] * 6, max_tokens=8, priority=1, ignore_eos=True)
     high = make_request("1", [4] * 6, max_tokens=8, priority=0, ignore_eos=True)
@@ -148,7 +150,7 @@ def test_priority_policy_admits_by_priority():
 
 def test_preempting_a_request_already_scheduled_in_the_step_undoes_it():
     # fcfs, but "b" arrived last while it is first in the running list.
-    sched = make_scheduler(num_blocks=5, max_model_len=16)
+    sched = make_scheduler(num_blocks=5, max_model_len=16, admission_policy="greedy")
     loop = EngineLoop(sched)
     b = make_request("b", [5] * 7, max_tokens=6, arrival_time=5.0, ignore_eos=True)
     a = make_request("a", [6] * 8, max_tokens=6, arrival_time=1.0, ignore_eos=True)

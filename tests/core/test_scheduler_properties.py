@@ -52,6 +52,7 @@ def scenarios(draw):
         enable_chunked_prefill=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         async_scheduling=draw(st.booleans()),
+        admission_policy=draw(st.sampled_from(["reserve", "ratio", "greedy"])),
     )
     ops = draw(
         st.lists(st.one_of(add_op, add_op, step_op, step_op, abort_op), min_size=8, max_size=50)

@@ -19,6 +19,7 @@ ENGINE_ARGS = dict(
     max_num_batched_tokens=64,  # every prompt over 64 tokens is prefilled in chunks
     num_gpu_blocks_override=40,  # 16-token blocks: the 16 requests need ~150, one needs 20
     max_num_seqs=16,
+    admission_policy="greedy",  # admit past what the pool holds: preemption is under test
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

@@ -19,8 +19,9 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.spec_decode.proposer import DraftRequest, StatelessProposer
 
 ENGINE = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=48, num_gpu_blocks_override=40,
-              block_size=4, max_num_seqs=8)
-"""A small pool (preemptions happen) and a small token budget (prompts are chunked)."""
+              block_size=4, max_num_seqs=8, admission_policy="greedy")
+"""A small pool (greedy admission: preemptions happen) and a small token budget (prompts are
+chunked)."""
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "min_acceptance_rate": 0.0}
 TEMPERATURE = 0.1

@@ -70,6 +70,7 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
     dtype_bytes = torch.finfo(runner.dtype).bits // 8
     shape = ModelShape.from_hf_config(runner.hf_config, dtype_bytes)
     precision = run_precision(llm.engine_core.config, runner.hf_config, dtype_bytes)
+    stats = core.get_stats()
     ceil = device_ceilings(runner.device)
     kv_tokens = core.num_blocks * core.config.cache.block_size
     mean_in, mean_out = int(np.mean(in_lens)), int(np.mean(out_lens))
@@ -85,16 +86,18 @@ def run(llm, args: argparse.Namespace) -> dict:  # noqa: ANN001
         "output_tok_per_s": num_out / elapsed, "total_tok_per_s": (num_in + num_out) / elapsed,
         "requests_per_s": args.num_prompts / elapsed, "roofline_output_tok_per_s": roofline_tps,
         "ratio_to_roofline": (num_out / elapsed) / roofline_tps, "max_batch_kv_allows": max_batch,
-        "num_kv_blocks": core.num_blocks, "ceilings": ceil.source, "device": str(runner.device),
+        "num_kv_blocks": core.num_blocks, "num_preemptions": stats.num_preemptions,
+        "ceilings": ceil.source, "device": str(runner.device),
         "gpu_busy_fraction": None if busy is None else busy.busy_fraction,
         **energy_figures(busy, num_out),
-        **spec_decode_figures(core.get_stats()),
+        **spec_decode_figures(stats),
     }  # fmt: skip
     print(
         f"{args.num_prompts} prompts, {mean_in} in / {mean_out} out: {elapsed:.1f} s, "
         f"{result['output_tok_per_s']:.0f} output tok/s, {result['total_tok_per_s']:.0f} total "
         f"tok/s, {result['requests_per_s']:.2f} req/s; roofline {roofline_tps:.0f} output tok/s "
         f"({ceil.source}, max batch {max_batch}): {result['ratio_to_roofline']:.2f} of roofline"
+        f"; {stats.num_preemptions} preemptions ({core.num_blocks} KV blocks)"
         + ("" if busy is None else f"; GPU busy {busy.busy_fraction:.1%} (NVML, every 0.1 s)")
         + ("" if result.get("energy_j") is None else
            f"; {result['energy_j'] / 1e3:.1f} kJ on the card, {result['mean_power_w']:.0f} W "
