@@ -38,6 +38,9 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
         str(PRESSURE_BLOCK_SIZE),
         "--num-gpu-blocks-override",
         str(PRESSURE_NUM_BLOCKS),
+        # Admit whenever the prompt fits (vLLM's rule), so the pool overflows and preempts.
+        "--admission-policy",
+        "greedy",
     ),
     "lifecycle_server": (
         *TOKEN_BUDGET,

@@ -34,10 +34,11 @@ MESSAGES = [{"role": "user", "content": "Describe a person and their pets as JSO
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # 24 blocks of 16 tokens for five requests of ~110 tokens: some are preempted; a 64-token
-    # budget chunks the prompts.
+    # 24 blocks of 16 tokens for five requests of ~110 tokens, admitted whenever the prompt
+    # fits: some are preempted; a 64-token budget chunks the prompts.
     return LLM(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
-               num_gpu_blocks_override=24, enable_chunked_prefill=True)
+               num_gpu_blocks_override=24, enable_chunked_prefill=True,
+               admission_policy="greedy")
 
 
 def test_default_model_answers_validate(llm: LLM) -> None:
