@@ -46,6 +46,10 @@ class CachedRequestData:
     new_block_ids: list[BlockIds | None] = field(default_factory=list)
     """Blocks appended this step, or None when the request got no new block."""
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> tokens the runner has not seen, placed from the request's
+    ``num_computed_tokens`` on and run like its prompt (a draft model's runner catching up with
+    the tokens its target appended); the scheduler never sends any."""
 
     @property
     def num_reqs(self) -> int:

@@ -1,12 +1,14 @@
 """The draft_model proposer: a small model of the same vocabulary drafts k tokens greedily.
 
 The draft runs in a ``ModelRunner`` of its own (its own weights, request slots, KV cache in the
-same paged block scheme, CUDA graphs on a GPU), driven by plans this proposer writes. Per call,
-every drafting request is (re)admitted to the draft runner with its whole history, of which
-the first ``num_computed`` tokens already have draft KV in its blocks (what the last call
-computed up to the token it started from). The first draft step runs the tokens appended since
-(the accepted drafts and the target's token) and samples draft 1; k - 1 one-token steps sample
-the others, each reading the previous draft on the device. The host reads the drafts once,
+same paged block scheme, CUDA graphs on a GPU), driven by plans this proposer writes. A request
+keeps its draft slot from its first drafting call until it finishes. Per call, the draft's KV
+is valid for the history up to where the last call started drafting, and for the drafts it ran
+as inputs (all but the last) that the target accepted since; the first draft step runs only
+the tokens after those (the target's token, and the last draft when every draft was accepted:
+one or two tokens, handed to the runner as ``new_token_ids``) and samples draft 1; k - 1
+one-token steps sample the others, each reading the previous draft on the device. So a call
+with k drafts computes k or k + 1 tokens in k forward passes. The host reads the drafts once,
 after the last step. The drafts are greedy (a one-hot proposal), which the verifier's rule
 needs (``verify.py``).
 
@@ -41,8 +43,24 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 @dataclass
 class _DraftSeq:
     num_computed: int = 0
-    """Tokens of the request's history whose draft KV is in ``block_ids``."""
+    """Tokens of the request's history whose draft KV is in ``block_ids``, drafts aside."""
+    fed: list[int] = field(default_factory=list)
+    """The last call's drafts that ran as inputs, at positions ``num_computed`` on: their KV
+    holds as far as the history agrees with them."""
     block_ids: list[int] = field(default_factory=list)
+    num_sent_blocks: int = -1
+    """Blocks of ``block_ids`` the runner knows; -1: the request has no draft slot yet."""
+
+    def valid_kv(self, token_ids: list[int]) -> int:
+        """Leading tokens of ``token_ids`` whose draft KV holds (never the last token: the
+        first draft step runs at least that one)."""
+        n = self.num_computed
+        matched = 0
+        for draft in self.fed:
+            if n + matched >= len(token_ids) or token_ids[n + matched] != draft:
+                break
+            matched += 1
+        return min(n + matched, len(token_ids) - 1)
 
 
 def draft_engine_config(target: EngineConfig, spec: SpeculativeConfig, max_model_len: int,
@@ -104,8 +122,10 @@ class DraftModelProposer:
             result = output.get_output()
             for req_id, tokens in zip(result.req_ids, result.sampled_token_ids, strict=True):
                 drafts[req_id] += tokens
-        for r in drafting:  # the KV of the drafts' positions is recomputed next time
-            self.seqs[r.req_id].num_computed = len(r.token_ids)
+        for r in drafting:
+            seq = self.seqs[r.req_id]
+            seq.num_computed = len(r.token_ids)
+            seq.fed = drafts[r.req_id][:-1]
         return [drafts.get(r.req_id, []) for r in requests]
 
     def _reserve(self, request: DraftRequest, drafting: set[str]) -> bool:
@@ -122,14 +142,13 @@ class DraftModelProposer:
         return True
 
     def _catch_up(self, drafting: list[DraftRequest]) -> list[AsyncOutput]:
-        """Readmit each request with its whole history and run what has no draft KV yet, in
+        """Run what has no valid draft KV yet (a request's first call: its whole history), in
         steps within the draft's token budget; the step that completes a request samples its
         first draft."""
         budget = self.runner.max_num_batched_tokens
-        done = {r.req_id: min(self.seqs[r.req_id].num_computed, len(r.token_ids) - 1)
-                for r in drafting}
-        admitted: set[str] = set()
+        done = {r.req_id: self.seqs[r.req_id].valid_kv(r.token_ids) for r in drafting}
         outputs = []
+        started: set[str] = set()
         while any(done[r.req_id] < len(r.token_ids) for r in drafting):
             new_reqs, cached, num_scheduled = [], CachedRequestData(), {}
             left = budget
@@ -137,29 +156,41 @@ class DraftModelProposer:
                 take = min(len(r.token_ids) - done[r.req_id], left)
                 if take <= 0:
                     continue
-                if r.req_id in admitted:
-                    cached.req_ids.append(r.req_id)
-                    cached.new_block_ids.append(None)
-                    cached.num_computed_tokens.append(done[r.req_id])
+                if self.seqs[r.req_id].num_sent_blocks < 0:
+                    new_reqs.append(self._admission(r))
                 else:
-                    new_reqs.append(self._readmission(r, done[r.req_id]))
+                    self._add_cached(cached, r, done[r.req_id], r.req_id not in started)
+                started.add(r.req_id)
                 num_scheduled[r.req_id] = take
                 done[r.req_id] += take
                 left -= take
-            # A slot from an earlier call is freed first (the plan frees, then admits).
-            finished = self.finished | {r.req_id for r in new_reqs}
-            self.finished = set()
-            admitted |= finished
+            # A slot of a finished request is freed first (the plan frees, then admits).
+            finished, self.finished = self.finished, set()
             plan = SchedulerOutput(new_reqs, cached, num_scheduled, budget - left, finished)
             self.runner.execute_model(plan)
             outputs.append(self.runner.sample_tokens_async())
         return outputs
 
-    def _readmission(self, r: DraftRequest, num_computed: int) -> NewRequestData:
+    def _admission(self, r: DraftRequest) -> NewRequestData:
+        seq = self.seqs[r.req_id]
+        seq.num_sent_blocks = len(seq.block_ids)
         return NewRequestData(
             req_id=r.req_id, prefill_token_ids=list(r.token_ids),
             num_prompt_tokens=len(r.token_ids), sampling_params=_GREEDY,
-            block_ids=(list(self.seqs[r.req_id].block_ids),), num_computed_tokens=num_computed)
+            block_ids=(list(seq.block_ids),), num_computed_tokens=0)
+
+    def _add_cached(self, cached: CachedRequestData, r: DraftRequest, num_computed: int,
+                    first: bool) -> None:
+        """A request with a draft slot: its new blocks, and in its first step of the call
+        (``first``) the tokens from ``num_computed`` on, which the runner has not seen."""
+        seq = self.seqs[r.req_id]
+        new_blocks = seq.block_ids[seq.num_sent_blocks :]
+        seq.num_sent_blocks = len(seq.block_ids)
+        cached.req_ids.append(r.req_id)
+        cached.new_block_ids.append((new_blocks,) if new_blocks else None)
+        cached.num_computed_tokens.append(num_computed)
+        if first:
+            cached.new_token_ids[r.req_id] = list(r.token_ids[num_computed:])
 
     def _decode_step(self, drafting: list[DraftRequest], j: int) -> AsyncOutput:
         """Draft j + 1 from draft j (on the device: the runner's last sampled token)."""

@@ -251,6 +251,8 @@ class ModelRunner:
             if new_block_ids is not None:  # most decodes get no new block
                 self.block_tables.append_block_ids(
                     int(slots[i]), single_group(new_block_ids, cached.req_ids[i]))
+        for req_id, token_ids in cached.new_token_ids.items():
+            self.states.extend_prefill(req_id, token_ids)
 
     def _apply_plan(self, so: SchedulerOutput) -> None:
         """Mirror the plan in the slots (host writes only; the step's staging copy follows)."""

@@ -125,6 +125,18 @@ class RequestStates:
         copy_from_host(self.all_token_ids[slot, :prefill_len], prefill_token_ids)
         return slot
 
+    def extend_prefill(self, req_id: str, token_ids: list[int]) -> None:
+        """Place ``token_ids`` from the running request's computed tokens on, as tokens to
+        prefill (its ``num_computed_tokens`` is this step's already)."""
+        slot = self.req_id_to_index[req_id]
+        start = int(self.num_computed_tokens_np[slot])
+        end = start + len(token_ids)
+        if not start < end <= self.max_model_len:
+            raise ValueError(f"new_token_ids: request {req_id!r} would reach {end} tokens, "
+                             f"must be {start + 1}..max_model_len ({self.max_model_len})")
+        copy_from_host(self.all_token_ids[slot, start:end], token_ids)
+        self.prefill_len_np[slot] = end
+
     def remove_request(self, req_id: str) -> int | None:
         """Free the slot of ``req_id``; returns it, or None when the request has no slot."""
         slot = self.req_id_to_index.pop(req_id, None)
