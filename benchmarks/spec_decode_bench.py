@@ -1,90 +1,52 @@
 """Speculative decoding on a GPU: its targets, on the Llama-3-8B shape, dummy bf16.
 
-``python benchmarks/spec_decode_bench.py --out DIR`` (or ``benchmarks/suite.py --sections
-spec``, which reuses the suite's plain 8B engine) prints one JSON line per figure and appends
-it to DIR/suite.json:
+``python benchmarks/spec_decode_bench.py --out DIR [--deadline-s S]`` (or
+``benchmarks/suite.py --sections spec``) runs the jobs of ``spec_decode_jobs.py``, each in a
+process of its own (one engine with the whole memory share, then exit), streams their output,
+and appends every figure to DIR/suite.json as it arrives (section ``spec.job``), so a run cut
+short keeps what it measured. Jobs that would start past the deadline are skipped. At the end
+it writes the summaries:
 
-- ``spec.tiny_greedy_equal``: the suite's tiny workload on the fast path with drafts of the
-  CPU reference's own tokens (one in five wrong): its greedy tokens equal the CPU run's
-  without speculation; the accepted drafts are counted.
-- ``spec.steps``: at batch 1 (1024-token prompt), the plain decode step (the plain engine: FULL
-  graph, async scheduling), the verify step of 1 + k tokens for k = 1..5 (drafts that dummy
-  weights reject, so every step verifies k), and the decode step of a Llama-3.2-1B-shaped
-  draft model. From them, per k: the break-even acceptance rate and the speedup at acceptance
-  0.8, for ngram drafts (no draft cost) and for a 1B draft model (k draft steps per verify).
-- ``spec.e2e``: output tok/s at batch 1 over 256 tokens, plain engine against the speculative
-  engine with (a) ngram on a prompt that repeats one random paragraph eight times, (b) drafts of
-  the target's own greedy output, each draft wrong with probability 0.2 (acceptance ~0.8) and
-  (c) never wrong (acceptance ~1). Dummy weights do not copy their prompt, so (b) and (c) are
-  the measurement of the mechanics at a known acceptance; (a) reports what ngram found.
-- ``spec.b64``: the batch-64 decode step with speculation configured (ngram, k = 4, defaults:
-  it turns itself off above 32 running requests) against the plain engine: ratio >= 0.97 is
-  the target.
-- ``spec.draft_model`` (``run_draft_model``): the engine with the 1B-shaped draft model, its
-  whole speculative step (k draft steps, then the verify step) measured at k = 1..5 (dummy
-  weights: the drafts are rejected, every step drafts k), the break-even acceptance and the
-  speedup at 0.8 from those measured steps.
+- ``spec.steps``: at batch 1 (1024-token prompt), the plain decode step, the verify step of
+  1 + k tokens for k = 1..5 (each in an engine configured for that k, gate threshold 0, drafts
+  always rejected) and the 1B draft's decode step; per k the break-even acceptance and the
+  speedup at acceptance 0.8, for ngram drafts (no draft cost) and for a 1B draft model (k draft
+  steps per verify).
+- ``spec.e2e``: decode tok/s at batch 1 (256 tokens) against the plain engine, on the
+  known-output workloads (``spec_decode_jobs.py`` says how the output is known): ngram on a
+  prompt ending in a run of the known token (acceptance ~1) and drafts right with probability
+  0.8 per position (acceptance 0.8), per k; with the speedup the step times predict beside.
+- ``spec.b64``: batch-64 output tok/s (64 random prompts of 512, 256 out), the plain engine
+  against the same settings with ngram, k = 4, defaults (it drafts at no more than 32 running
+  requests): three runs each, run i of each paired, the median ratio (target >= 0.97).
+- ``spec.draft_model``: the engine with the 1B-shaped draft model: its whole speculative step
+  at k = 1..5 and its verify step alone (the draft's cost is the difference), break-even and
+  speedup at 0.8 from the measured step, and from the draft's cost plus the verify step of an
+  engine configured for that k.
+- ``spec.tiny_greedy_equal``: the fast path's greedy tokens with drafts equal the CPU
+  reference's.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
-import numpy as np
-import torch
-
-from pagedserve import LLM, SamplingParams
-from pagedserve.entrypoints.bench import latency
-from pagedserve.entrypoints.bench.common import make_llm
-from pagedserve.entrypoints.cli import build_parser
-from pagedserve.spec_decode.proposer import DraftRequest, StatelessProposer
-
-MAX_K = 5
-SPEC_CONFIG = json.dumps({"method": "ngram", "num_speculative_tokens": MAX_K})
+RESULT_PREFIX = "SPEC_RESULT "
 ACCEPTANCE = 0.8
-E2E_TOKENS = 256
-PROMPT_LEN = 1024
-STEP_TOKENS = 64
-"""Tokens per request when a decode step is timed."""
-
-
-class FixedDrafts(StatelessProposer):
-    """k drafts of fixed random ids (dummy weights reject them: every step verifies k)."""
-
-    def __init__(self, k: int, vocab_size: int) -> None:
-        self.drafts = np.random.default_rng(k).integers(10, vocab_size, k).tolist()
-
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [self.drafts[: r.max_drafts] for r in requests]
-
-
-class ReferenceDrafts(StatelessProposer):
-    """Drafts the continuation of ``reference`` (the target's own greedy tokens), each draft
-    replaced by a wrong id with probability ``p_wrong``."""
-
-    def __init__(self, reference: list[int], p_wrong: float, seed: int = 0) -> None:
-        self.reference = reference
-        self.p_wrong = p_wrong
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        out = []
-        for r in requests:
-            n = len(r.token_ids)
-            drafts = self.reference[n : n + r.max_drafts]
-            wrong = self.rng.random(len(drafts)) < self.p_wrong
-            out.append([t + 1 if w else t for t, w in zip(drafts, wrong, strict=True)])
-        return out
-
-
-def bench_args(argv: list[str]) -> argparse.Namespace:
-    parser, _ = build_parser("bench")
-    return parser.parse_args(["bench", *argv])
+JOBS_SCRIPT = Path(__file__).resolve().parent / "spec_decode_jobs.py"
+DEADLINE_S = 400.0
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -106,221 +68,215 @@ def break_even(ratio: float, k: int) -> float | None:
     return round(hi, 4)
 
 
-def step_figures(t_plain: float, t_verify: dict[int, float], t_draft: float) -> dict:
-    """Per k: break-even acceptance and speedup at ACCEPTANCE, ngram and draft model."""
-    out = {}
-    for k, t in t_verify.items():
-        ngram_cost, model_cost = t / t_plain, (t + k * t_draft) / t_plain
+def step_figures(t_plain: float, t_verify: dict[int, float], t_draft: float | None) -> dict:
+    """Per k: break-even acceptance and speedup at ACCEPTANCE, ngram and (given the draft's
+    step) draft model."""
+    out: dict[int, dict] = {}
+    for k, t in sorted(t_verify.items()):
         e = expected_tokens(ACCEPTANCE, k)
-        out[k] = {"verify_ms": t * 1e3, "ngram_break_even": break_even(ngram_cost, k),
-                  "ngram_speedup_at_0.8": e / ngram_cost,
-                  "draft_model_break_even": break_even(model_cost, k),
-                  "draft_model_speedup_at_0.8": e / model_cost}
+        out[k] = {"verify_ms": t, "ngram_break_even": break_even(t / t_plain, k),
+                  "ngram_speedup_at_0.8": e * t_plain / t}
+        if t_draft is not None:
+            cost = (t + k * t_draft) / t_plain
+            out[k] |= {"draft_model_break_even": break_even(cost, k),
+                       "draft_model_speedup_at_0.8": e / cost}
     return out
 
 
-def decode_step_s(llm, prompt: list[int], max_tokens: int) -> float:  # noqa: ANN001
-    """Seconds per decode step of one request: (T(max_tokens) - T(1)) over the steps, where a
-    step that accepted drafts counts once."""
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in (max_tokens, 1)]
-    prompts = [{"prompt_token_ids": prompt}]
-    llm.generate(prompts, params[0], use_tqdm=False)  # warm-up; the prompt is cached after it
-    before = llm.engine_core.get_stats().spec_decode_num_accepted_tokens
+def parse_result_line(line: str) -> dict | None:
+    """The figure of a job's ``SPEC_RESULT {json}`` line; None for any other line."""
+    if not line.startswith(RESULT_PREFIX):
+        return None
+    try:
+        value = json.loads(line[len(RESULT_PREFIX):])
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass
+class Job:
+    name: str
+    argv: list[str]
+    """Arguments of spec_decode_jobs.py."""
+    estimate_s: float
+    """About how long it runs (start-up included): it is skipped past the deadline."""
+
+
+def plan_jobs(target: str, draft: str, work: str) -> list[Job]:
+    """In order of importance; the verify steps' k = 4 engine is the batch-64 one."""
+    models = ["--target", target, "--draft", draft, "--work", work]
+    jobs = [Job("plain", ["--job", "plain", *models], 70)]
+    jobs += [Job(f"spec_k{k}", ["--job", "spec", "--k", str(k), *models], 60 if k == 4 else 35)
+             for k in (4, 2, 3, 5, 1)]
+    jobs += [Job("draft_step", ["--job", "draft_step", *models], 25),
+             Job("draft_model", ["--job", "draft_model", *models], 60),
+             Job("tiny", ["--job", "tiny", *models], 40)]
+    return jobs
+
+
+def run_job(job: Job, timeout_s: float, on_result: Callable[[dict], None]) -> int:
+    """Run ``job`` in a process of its own, echo its output, hand each figure to
+    ``on_result`` as it comes; kill it (its process group) after ``timeout_s``. Returns its
+    exit status."""
+    proc = subprocess.Popen([sys.executable, str(JOBS_SCRIPT), *job.argv], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1,
+                            start_new_session=True)
+    timer = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"  [{job.name}] {line}", end="", flush=True)
+            result = parse_result_line(line)
+            if result is not None:
+                on_result(result)
+        return proc.wait()
+    finally:
+        timer.cancel()
+
+
+def run_all(log: Callable[..., None], work: Path, deadline_s: float = DEADLINE_S) -> dict:
+    """Every job within the deadline; logs the raw figures as they arrive, then the
+    summaries. Returns the number of figures and of jobs that failed."""
+    from suite import model_dir
+
     start = time.perf_counter()
-    llm.generate(prompts, params[0], use_tqdm=False)
-    t_full = time.perf_counter() - start
-    accepted = llm.engine_core.get_stats().spec_decode_num_accepted_tokens - before
-    start = time.perf_counter()
-    llm.generate(prompts, params[1], use_tqdm=False)
-    t_first = time.perf_counter() - start
-    return (t_full - t_first) / (max_tokens - 1 - accepted)
+    results: list[dict] = []
+    failed = 0
+
+    def on_result(result: dict) -> None:
+        results.append(result)
+        log("spec.job", **result)
+
+    jobs = plan_jobs(model_dir(work, "llama-3-8b.json"), model_dir(work, "llama-3.2-1b.json"),
+                     str(work))
+    for job in jobs:
+        left = deadline_s - (time.perf_counter() - start)
+        if left < job.estimate_s:
+            log("spec.job_skipped", job=job.name, seconds_left=round(left, 1))
+            continue
+        t0 = time.perf_counter()
+        rc = run_job(job, left, on_result)
+        failed += rc != 0
+        log("spec.job_done", job=job.name, rc=rc, seconds=round(time.perf_counter() - t0, 1))
+    for section, values in summarize(results).items():
+        log(section, **values)
+    return {"figures": len(results), "failed_jobs": failed}
 
 
-def tokens_per_s(llm, prompt: list[int]) -> tuple[float, list[int], float]:  # noqa: ANN001
-    """Output tok/s of one greedy request of E2E_TOKENS tokens (after a warm-up), its tokens,
-    and the acceptance rate of the drafts it ran."""
-    params = SamplingParams(temperature=0.0, max_tokens=E2E_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": prompt}]
-    llm.generate(prompts, params, use_tqdm=False)
-    before = llm.engine_core.get_stats()
-    start = time.perf_counter()
-    (out,) = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    now = llm.engine_core.get_stats()
-    drafted = now.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = now.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return E2E_TOKENS / elapsed, out.outputs[0].token_ids, accepted / drafted if drafted else 0.0
+def figures(results: list[dict], job: str, figure: str) -> list[dict]:
+    return [r for r in results if r.get("job") == job and r.get("figure") == figure]
 
 
-def free(llm) -> None:  # noqa: ANN001
-    llm.engine_core.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+def step_times(results: list[dict]) -> tuple[float | None, dict[int, float], float | None]:
+    """(plain step, verify step per k, draft step), in ms, where measured."""
+    plain = figures(results, "plain", "step")
+    draft = figures(results, "draft_step", "step")
+    verify = {int(r["k"]): r["step_ms"] for r in figures(results, "spec", "verify_step")}
+    return (plain[0]["step_ms"] if plain else None, verify,
+            draft[0]["step_ms"] if draft else None)
 
 
-class CappedDrafts:
-    """Another proposer's drafts, at most ``k`` per request."""
-
-    def __init__(self, inner, k: int) -> None:  # noqa: ANN001
-        self.inner = inner
-        self.k = k
-
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return self.inner.propose([DraftRequest(r.req_id, r.token_ids, min(r.max_drafts, self.k))
-                                   for r in requests])
-
-    def finish(self, req_ids: Iterable[str]) -> None:
-        self.inner.finish(req_ids)
+def steps_summary(results: list[dict]) -> dict | None:
+    t_plain, t_verify, t_draft = step_times(results)
+    if t_plain is None or not t_verify:
+        return None
+    return {"plain_step_ms": t_plain, "draft_step_ms": t_draft,
+            "per_k": step_figures(t_plain, t_verify, t_draft)}
 
 
-class SequenceDrafts(StatelessProposer):
-    """Drafts the continuation of whichever sequence the request's tokens start, one draft in
-    five wrong."""
-
-    def __init__(self, sequences: list[list[int]]) -> None:
-        self.sequences = sequences
-
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        out = []
-        for r in requests:
-            n = len(r.token_ids)
-            seq = next((s for s in self.sequences if s[:n] == r.token_ids), [])
-            out.append([t + 1 if (n + j) % 5 == 0 else t
-                        for j, t in enumerate(seq[n : n + r.max_drafts])])
-        return out
+def e2e_entry(spec: dict, plain: dict, predicted: float | None) -> dict:
+    return {"decode_tok_per_s": spec["decode_tok_per_s"],
+            "speedup": spec["decode_tok_per_s"] / plain["decode_tok_per_s"],
+            "predicted_speedup": predicted, "acceptance": spec["acceptance"],
+            "tokens_per_drafting_step": spec["tokens_per_drafting_step"],
+            "known_output": spec["known_output"]}
 
 
-class NoDrafts(StatelessProposer):
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [[] for _ in requests]
+def e2e_summary(results: list[dict]) -> dict | None:
+    """Per workload and k: decode tok/s and speedup over the plain engine's same requests;
+    the speedup predicted from the step times (ngram: the measured tokens per drafting step;
+    iid: ``expected_tokens(p, k)``)."""
+    plain = {r["workload"]: r for r in figures(results, "plain", "e2e")}
+    if not plain:
+        return None
+    t_plain, t_verify, _ = step_times(results)
+    out: dict = {"plain": {w: {"decode_tok_per_s": r["decode_tok_per_s"],
+                               "known_output": r["known_output"]} for w, r in plain.items()}}
+    for r in figures(results, "spec", "e2e"):
+        base, k = plain.get(r["workload"]), int(r["k"])
+        if base is None:
+            continue
+        tokens = (expected_tokens(r["p"], k) if "p" in r else r["tokens_per_drafting_step"])
+        predicted = (tokens * t_plain / t_verify[k]
+                     if t_plain is not None and k in t_verify else None)
+        out.setdefault(r["workload"], {})[k] = e2e_entry(r, base, predicted)
+    for workload in ("ngram", "iid"):
+        speedups = [e["speedup"] for e in out.get(workload, {}).values()]
+        if speedups:
+            out[f"{workload}_best_speedup"] = max(speedups)
+            out[f"{workload}_meets_2x"] = max(speedups) >= 2.0
+    return out
 
 
-def tiny_spec_check(work: Path) -> dict:
-    from suite import tiny_workload
-
-    prompts, common = tiny_workload(work)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    cpu = LLM(**common, device="cpu", enforce_eager=True)
-    ref = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
-    del cpu
-    fast = LLM(**common, speculative_config=SPEC_CONFIG)
-    sequences = [p["prompt_token_ids"] + r for p, r in zip(prompts, ref, strict=True)]
-    fast.engine_core.scheduler.proposer = SequenceDrafts(sequences)
-    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
-    stats = fast.engine_core.get_stats()
-    return {"equal": got == ref, "drafts": stats.spec_decode_num_draft_tokens,
-            "accepted": stats.spec_decode_num_accepted_tokens,
-            "async_scheduling": fast.engine_core.config.scheduler.async_scheduling}
+def b64_summary(results: list[dict]) -> dict | None:
+    """Run i of the plain engine against run i of the speculative one; the median ratio."""
+    plain = [r["tok_per_s"] for r in sorted(figures(results, "plain", "b64"),
+                                            key=lambda r: r["run"])]
+    spec = sorted(figures(results, "spec", "b64"), key=lambda r: r["run"])
+    if not plain or not spec:
+        return None
+    ratios = [s["tok_per_s"] / p for p, s in zip(plain, spec, strict=False)]
+    return {"plain_tok_per_s": plain, "spec_tok_per_s": [s["tok_per_s"] for s in spec],
+            "spec_drafted": [s["drafted"] for s in spec], "ratios": ratios,
+            "throughput_ratio": median(ratios), "meets_0.97": median(ratios) >= 0.97}
 
 
-def run(log, plain, engine_argv: list[str], work: Path) -> None:  # noqa: ANN001
-    """The figures; ``plain`` is an engine of ``engine_argv`` without speculation."""
-    log("spec.tiny_greedy_equal", **tiny_spec_check(work))
-    vocab = plain.engine_core.vocab_size
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(10, vocab, PROMPT_LEN).tolist()
-    repeating = rng.integers(10, vocab, PROMPT_LEN // 8).tolist() * 8
-    t_plain = decode_step_s(plain, prompt, STEP_TOKENS)
-
-    draft = make_llm(bench_args(["latency", *draft_args(work)]))
-    t_draft = decode_step_s(draft, prompt, STEP_TOKENS)
-    free(draft)
-
-    spec = make_llm(bench_args(["latency", *spec_engine_args(engine_argv)]))
-    scheduler = spec.engine_core.scheduler
-    ngram = scheduler.proposer
-    t_verify = {}
-    for k in range(1, MAX_K + 1):
-        scheduler.proposer = FixedDrafts(k, vocab)
-        t_verify[k] = decode_step_s(spec, prompt, STEP_TOKENS)
-    log("spec.steps", plain_step_ms=t_plain * 1e3, draft_step_ms=t_draft * 1e3,
-        per_k=step_figures(t_plain, t_verify, t_draft))
-
-    plain_tps, _, _ = tokens_per_s(plain, repeating)
-    scheduler.proposer = NoDrafts()  # the target's own tokens, for the reference drafts
-    no_drafts_tps, reference, _ = tokens_per_s(spec, repeating)
-    e2e: dict = {"plain_tok_per_s": plain_tps, "no_drafts_tok_per_s": no_drafts_tps}
-    for name, proposer in (("ngram", ngram),
-                           ("reference_0.8", ReferenceDrafts(repeating + reference, 0.2)),
-                           ("reference_1.0", ReferenceDrafts(repeating + reference, 0.0))):
-        scheduler.proposer = proposer
-        tps, _, rate = tokens_per_s(spec, repeating)
-        e2e[name] = {"tok_per_s": tps, "speedup": tps / plain_tps, "acceptance": rate}
-    log("spec.e2e", **e2e)
-
-    scheduler.proposer = ngram
-    b64 = ["latency", *engine_argv, "--batch-size", "64", "--num-iters", "2",
-           "--input-len", str(PROMPT_LEN)]
-    t_spec = latency.run(spec, bench_args(b64))["decode_step_ms"]
-    t_base = latency.run(plain, bench_args(b64))["decode_step_ms"]
-    log("spec.b64", plain_step_ms=t_base, spec_configured_step_ms=t_spec,
-        throughput_ratio=t_base / t_spec)
-    free(spec)
-
-
-def run_draft_model(log, plain, engine_argv: list[str], work: Path) -> None:  # noqa: ANN001
-    """``spec.draft_model``: measured speculative steps with the 1B-shaped draft."""
-    vocab = plain.engine_core.vocab_size
-    prompt = np.random.default_rng(0).integers(10, vocab, PROMPT_LEN).tolist()
-    t_plain = decode_step_s(plain, prompt, STEP_TOKENS)
-    draft_model = draft_args(work)[1]
-    config = json.dumps({"method": "draft_model", "model": draft_model,
-                         "num_speculative_tokens": MAX_K})
-    argv = spec_engine_args(engine_argv, config)
-    # Batch 1 only: few sequences keep the draft's cache, sized outside the memory share for
-    # max_num_seqs requests of max_model_len tokens, small beside the plain engine.
-    i = argv.index("--max-num-seqs")
-    argv[i + 1] = "16"
-    spec = make_llm(bench_args(["latency", *argv]))
-    scheduler = spec.engine_core.scheduler
-    draft = scheduler.proposer
+def draft_model_summary(results: list[dict]) -> dict | None:
+    """Per k: the measured speculative step, the verify step alone in the same engine and
+    their difference (the draft's cost); break-even and speedup at 0.8 from the measured step,
+    and from the draft's cost plus the verify step of an engine configured for that k."""
+    t_plain, t_verify, _ = step_times(results)
+    rows = figures(results, "draft_model", "spec_step")
+    if t_plain is None or not rows:
+        return None
     per_k = {}
-    for k in range(1, MAX_K + 1):
-        scheduler.proposer = CappedDrafts(draft, k)
-        t_step = decode_step_s(spec, prompt, STEP_TOKENS)
+    for r in rows:
+        k, step = int(r["k"]), r["step_ms"]
         e = expected_tokens(ACCEPTANCE, k)
-        per_k[k] = {"step_ms": t_step * 1e3, "break_even": break_even(t_step / t_plain, k),
-                    "speedup_at_0.8": e * t_plain / t_step}
-    log("spec.draft_model", plain_step_ms=t_plain * 1e3, per_k=per_k)
-    free(spec)
+        entry = {"step_ms": step, "verify_only_ms": r["verify_only_ms"],
+                 "draft_ms": step - r["verify_only_ms"],
+                 "break_even": break_even(step / t_plain, k),
+                 "speedup_at_0.8": e * t_plain / step}
+        if k in t_verify:
+            entry["speedup_at_0.8_with_k_verify_graph"] = (
+                e * t_plain / (t_verify[k] + entry["draft_ms"]))
+        per_k[k] = entry
+    return {"plain_step_ms": t_plain, "per_k": per_k}
 
 
-def spec_engine_args(engine: list[str], config: str = SPEC_CONFIG) -> list[str]:
-    """The speculative 8B engine's arguments: the plain one's with ``config`` (ngram, k up to
-    MAX_K, by default), a smaller memory share (it runs beside the plain engine) and a context
-    of 2048 (the draft model's cache is sized from it, outside that share)."""
-    i = engine.index("--gpu-memory-utilization")
-    return [*engine[:i], "--gpu-memory-utilization", "0.25", *engine[i + 2:],
-            "--max-model-len", "2048", "--speculative-config", config]
-
-
-def draft_args(work: Path) -> list[str]:
-    """The Llama-3.2-1B-shaped draft model, timed as a plain engine."""
-    from suite import COMMON, model_dir
-
-    return ["--model", model_dir(work, "llama-3.2-1b.json"), *COMMON,
-            "--gpu-memory-utilization", "0.06", "--max-num-seqs", "16"]
+def summarize(results: list[dict]) -> dict[str, dict]:
+    """The summary sections that have data."""
+    tiny = figures(results, "tiny", "greedy_equal")
+    sections = {"spec.steps": steps_summary(results), "spec.e2e": e2e_summary(results),
+                "spec.b64": b64_summary(results),
+                "spec.draft_model": draft_model_summary(results),
+                "spec.tiny_greedy_equal": tiny[0] if tiny else None}
+    return {name: values for name, values in sections.items() if values is not None}
 
 
 def main() -> None:
-    import tempfile
-
-    from suite import COMMON, Suite, model_dir  # the suite's engine arguments and log
+    from suite import Suite
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
+    parser.add_argument("--deadline-s", type=float, default=DEADLINE_S,
+                        help="start no job that would end past this many seconds")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suite, work = Suite(out), Path(tempfile.mkdtemp())
-    engine = ["--model", model_dir(work, "llama-3-8b.json"), *COMMON,
-              "--gpu-memory-utilization", "0.6", "--max-num-seqs", "256"]
-    plain = suite.run("8b.start_cold", make_llm, bench_args(["latency", *engine]))
-    if plain is not None:
-        suite.run("spec", run, suite.log, plain, engine, work)
-        suite.run("spec.draft_model", run_draft_model, suite.log, plain, engine, work)
+    run_all(Suite(out).log, Path(tempfile.mkdtemp()), args.deadline_s)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ Qwen3-0.6B shape, 256 requests of 100..1024 in and out: GPU busy). Not in the de
 sections: ``fp8`` runs FP8 against bf16 in engines of their own, first, on the whole card
 (``fp8_suite.py``); ``structured`` runs ``structured.py``'s three figures on the 8B engine;
 ``spec`` (speculative decoding: verify and draft step times at k = 1..5, break-even
-acceptance, end-to-end speedups, batch 64 with speculation configured;
-``spec_decode_bench.py``). Each result is one JSON line in DIR/suite.json; BENCHMARKS.md
-shows them.
+acceptance, end-to-end speedups at known acceptance, batch 64 with speculation configured;
+``spec_decode_bench.py``: run first, its engines each in a process of its own). Each result is
+one JSON line in DIR/suite.json; BENCHMARKS.md shows them.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def main() -> None:
         from fp8_suite import run_all
 
         suite.run("fp8", run_all, suite, out)
+    if "spec" in wanted:  # engines in processes of their own, while this one holds none
+        suite.run("spec", spec_decode_bench.run_all, suite.log, work)
     llama = ["--model", model_dir(work, "llama-3-8b.json"), *COMMON]
     engine = [*llama, "--gpu-memory-utilization", "0.6", "--max-num-seqs", "256",
               "--one-token-step", args.one_token_step,
@@ -101,7 +103,7 @@ def main() -> None:
     if "tiny" in wanted:
         suite.run("tiny.async_greedy_equal", tiny_check, work)
     llm = None
-    if {"b1", "b64", "t1024", "t2048", "t1000", "structured", "spec"} & set(wanted):
+    if {"b1", "b64", "t1024", "t2048", "t1000", "structured"} & set(wanted):
         start = time.perf_counter()
         llm = suite.run("8b.start_cold", make_llm, bench_args(["latency", *engine]))
         suite.log("8b.start_cold_s", seconds=round(time.perf_counter() - start, 1))
@@ -140,10 +142,6 @@ def main() -> None:
             suite.run("qwen3.t256", throughput.run, small, bench_args(
                 ["throughput", *qwen, "--num-prompts", "256", "--input-len", "562",
                  "--output-len", "562", "--range-ratio", "0.822"]))
-    if "spec" in wanted and llm is not None:
-        suite.run("spec", spec_decode_bench.run, suite.log, llm, engine, work)
-        suite.run("spec.draft_model", spec_decode_bench.run_draft_model, suite.log, llm,
-                  engine, work)
     if "t1000" in wanted and llm is not None:
         module, argv = workloads["t1000"]
         suite.run("8b.t1000", module.run, llm, bench_args(argv))
