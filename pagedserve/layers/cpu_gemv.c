@@ -20,23 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define MAX_ROWS 4 /* rows of x per pass over a group of weight rows (registers) */
 #define ROW_CHUNK 64 /* rows of x whose widened copy one sweep over the weights reuses */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
