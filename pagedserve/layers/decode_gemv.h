@@ -3,7 +3,10 @@
  *
  * A decode step multiplies every weight by a few rows, so its time is the weight read: each
  * pass reads COLS weight rows once (they stay in L1) for every block of up to ROWS rows of x,
- * COLS x ROWS independent accumulator chains. bf16 weights take x as bf16 (`xb`: the caller's
+ * COLS x ROWS accumulators. Each weight row is read whole before the next: the weights stream
+ * from memory in address order, which the hardware prefetcher follows (interleaving the COLS
+ * rows chunk by chunk halved the read rate); consecutive rows' sums are independent, so the
+ * out-of-order core overlaps them. bf16 weights take x as bf16 (`xb`: the caller's
  * activations are bf16 values already, so that copy is exact) and use AVX512-BF16's
  * dot-product instruction where the CPU has it (exact products, fp32 sums), else are widened
  * to fp32 by a shift. fp32 weights use fp32 fused multiply-adds. Without AVX512F, plain C.
@@ -20,7 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEMV_COLS 8 /* weight rows per pass: as many streams from memory in flight */
+#define GEMV_COLS 8 /* weight rows per pass */
 #define GEMV_ROWS 3 /* rows of x per block (registers: ROWS x COLS accumulators of 32) */
 
 /* The COLS weight rows of a pass; a last, partial pass repeats its first row (its sums are
@@ -38,8 +41,8 @@ ALWAYS_INLINE void dots_f32(const float *x, const char *rows[GEMV_COLS], const i
     __m512 acc[GEMV_ROWS][GEMV_COLS];
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < GEMV_COLS; j++) acc[r][j] = _mm512_setzero_ps();
-    for (; i + 16 <= k; i += 16)
-        for (int j = 0; j < GEMV_COLS; j++) {
+    for (int j = 0; j < GEMV_COLS; j++)
+        for (i = 0; i + 16 <= k; i += 16) {
             const __m512 wv = _mm512_loadu_ps((const float *)rows[j] + i);
             for (int64_t r = 0; r < m; r++)
                 acc[r][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + i), wv, acc[r][j]);
@@ -76,16 +79,16 @@ ALWAYS_INLINE void dots_bf16(const uint16_t *xb, const char *rows[GEMV_COLS], co
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < GEMV_COLS; j++) acc[r][j] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-    for (; i + 32 <= k; i += 32)
-        for (int j = 0; j < GEMV_COLS; j++) {
+    for (int j = 0; j < GEMV_COLS; j++)
+        for (i = 0; i + 32 <= k; i += 32) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512((const uint16_t *)rows[j] + i);
             for (int64_t r = 0; r < m; r++)
                 acc[r][j] = _mm512_dpbf16_ps(
                     acc[r][j], (__m512bh)_mm512_loadu_si512(xb + r * k + i), wv);
         }
 #else
-    for (; i + 16 <= k; i += 16)
-        for (int j = 0; j < GEMV_COLS; j++) {
+    for (int j = 0; j < GEMV_COLS; j++)
+        for (i = 0; i + 16 <= k; i += 16) {
             const __m512 wv = widen16((const uint16_t *)rows[j] + i);
             for (int64_t r = 0; r < m; r++)
                 acc[r][j] = _mm512_fmadd_ps(widen16(xb + r * k + i), wv, acc[r][j]);
