@@ -26,7 +26,7 @@ def decode_linear() -> Callable[..., int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])  # 7: blocks of 3, 3 and 1
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])  # 7: blocks of 3, 3, 1; 13: interleaved
 @pytest.mark.parametrize(("k", "n"), [(64, 8), (77, 13), (576, 960)])  # tails of k and of n
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_sums(decode_linear, dtype: torch.dtype, rows: int, k: int, n: int,
