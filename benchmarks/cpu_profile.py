@@ -16,6 +16,7 @@ Steps are driven one at a time through ``LLM.add_request`` / ``LLM.step``. Threa
 the engine chooses, or ``OMP_NUM_THREADS``.
 
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --batch 1 --dtype bfloat16
+    OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --one-token-step compiled  # torch layers
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --linears   # the bf16 linear kernel
 """
 
@@ -46,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=None,
                    help="steps under torch.profiler (default: --steps; 0: no profile)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--one-token-step", choices=["gemv", "compiled"], default="gemv",
+                   help="gemv: decode steps in C (model/cpu_decode.py); compiled: the torch "
+                        "layers")
     p.add_argument("--top", type=int, default=15, help="ops listed by self time")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--linears", action="store_true",
@@ -183,13 +187,16 @@ def main() -> None:
     if args.linears:
         compare_linears()
         return
-    llm = LLM(dtype=args.dtype, kv_cache_memory=1 << 30)
+    llm = LLM(dtype=args.dtype, kv_cache_memory=1 << 30, one_token_step=args.one_token_step)
+    forward = type(llm.engine_core.executor.model_runner.forward_fn).__name__
     timer = PhaseTimer()
     instrument(llm, timer)
     start_decoding(llm, args.batch, args.steps + (args.profile_steps or args.steps))
     figures: dict[str, Any] = {
         "batch": args.batch,
         "dtype": str(llm.config.model.dtype),
+        "one_token_step": args.one_token_step,
+        "forward": forward,
         "threads": torch.get_num_threads(),
         "phases_ms_per_step": timed_phases(llm, timer, args.steps),
     }

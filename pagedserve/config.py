@@ -324,7 +324,9 @@ class CompilationConfig:
     """How a step of one token runs on a GPU (a batch-1 decode, in its FULL CUDA graph; a
     one-token prefill, eagerly): gemv, on the fused GEMV kernels (RMSNorm, rotary embedding, KV
     write, residual and SiLU-and-mul inside the weight reads; Llama-family models on one GPU,
-    others fall back); compiled, like every other batch."""
+    others fall back); compiled, like every other batch. On the CPU, gemv runs every step whose
+    requests each decode one token in C (``model/cpu_decode.py``; eagerly, one-token steps
+    only under ``mode="compile"``), compiled runs them on the torch layers."""
     max_capture_size: int = 512
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     """Explicit capture sizes of both modes (FULL and PIECEWISE); default: FULL

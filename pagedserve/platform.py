@@ -289,6 +289,14 @@ class Platform(abc.ABC):
         (x, weight, bias=None): the CPU's serves few-row bf16 inputs with its own kernel."""
 
     @abc.abstractmethod
+    def decode_forward(
+        self, model: torch.nn.Module
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """``model``'s forward with the steps whose requests each decode one token on this
+        device's own code (the model's torch layers serve the other steps), or None: the
+        model's forward (or the compiled one) serves every step."""
+
+    @abc.abstractmethod
     def native_bf16(self) -> bool:
         """bf16 matmuls run natively: the dtype ``auto`` resolves to bf16."""
 
@@ -405,6 +413,14 @@ class CpuPlatform(Platform):
 
         return cpu_linear()
 
+    def decode_forward(
+        self, model: torch.nn.Module
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The decode step in C (``model/cpu_decode.py``) where the model declares one and it
+        fits (Llama-family layers in bf16 or fp32 on one rank, a C compiler)."""
+        declared = getattr(model, "cpu_decode_forward", None)  # a model capability
+        return None if declared is None else declared()
+
     def native_bf16(self) -> bool:
         return cpu_has_fast_bf16()
 
@@ -513,6 +529,13 @@ class CudaPlatform(Platform):
 
     def dense_linear(self) -> Callable[..., torch.Tensor]:
         return torch.nn.functional.linear
+
+    def decode_forward(
+        self, model: torch.nn.Module
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """None: one-token steps run the model's Triton GEMV forward inside the compiled one
+        (``model.one_token_forward``, chosen by the runner), eager runs the torch layers."""
+        return None
 
     def native_bf16(self) -> bool:
         return True

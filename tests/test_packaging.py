@@ -1,5 +1,5 @@
 """The package builds as a wheel that carries everything it needs at run time (its web page,
-the C decode kernel's source) and runs ``pagedserve generate`` from an install of that wheel
+the CPU kernels' C sources and headers) and runs ``pagedserve generate`` from an install of that wheel
 alone, with no source tree on the path."""
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ def test_wheel_installs_and_generates(tmp_path: Path) -> None:
     [wheel] = (tmp_path / "dist").glob("pagedserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "pagedserve/entrypoints/openai/static/index.html" in names
-    assert any(n.startswith("pagedserve/attention/backends/cpu_native/") and n.endswith(".c")
-               for n in names)
+    package = REPO_ROOT / "pagedserve"
+    c_sources = {f"pagedserve/{p.relative_to(package)}"
+                 for p in [*package.rglob("*.c"), *package.rglob("*.h")]}
+    assert "pagedserve/model/cpu_decode.c" in c_sources
+    assert c_sources <= set(names), c_sources - set(names)  # the CPU kernels' sources, headers
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     site = tmp_path / "site"
     subprocess.run([uv, "pip", "install", "--quiet", "--no-deps", "--target", str(site),

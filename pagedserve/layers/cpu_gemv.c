@@ -20,23 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+#include "decode_gemv.h"
+
 #define MAX_ROWS 4 /* rows of x per pass over a group of weight rows (registers) */
 #define ROW_CHUNK 64 /* rows of x whose widened copy one sweep over the weights reuses */
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -141,5 +129,47 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16
 #ifdef WIDENS_X
     free(xf);
 #endif
+    return 0;
+}
+
+/* 1 where decode_gemv.h's kernel is vectorized here (AVX512F): gemv_rows is the one to call
+ * for a few rows; elsewhere gemv_bf16 (AVX2) or torch serve them. */
+int gemv_rows_vectorized(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y = x W^T (+ bias) for a few rows (a decode step's linears and LM head) with decode_gemv.h's
+ * kernel, bf16 or fp32: x [m, k] (row stride x_stride), w [n, k], bias [n] or NULL, y [m, n]
+ * (row stride y_stride), all in one dtype; fp32 sums, one rounding. Returns 2 where the fp32
+ * copies cannot be allocated. */
+int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n,
+              int64_t k, int64_t x_stride, int64_t y_stride, int is_bf16, int num_threads) {
+    float *xf = malloc((size_t)(m * (k + n)) * sizeof(float)); /* x [m, k], then y [m, n] */
+    uint16_t *xb = malloc((size_t)(m * k) * sizeof(uint16_t) + 64); /* x as bf16 [m, k] */
+    if (xf == NULL || xb == NULL) {
+        free(xf), free(xb);
+        return 2;
+    }
+    float *yf = xf + m * k;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) {
+            if (is_bf16) {
+                xb[r * k + i] = ((const uint16_t *)x)[r * x_stride + i];
+                xf[r * k + i] = bf16_to_float(xb[r * k + i]);
+            } else {
+                xf[r * k + i] = ((const float *)x)[r * x_stride + i];
+            }
+        }
+    decode_gemv(xf, xb, w, bias, yf, m, n, k, is_bf16, num_threads);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < n; j++) {
+            if (is_bf16) ((uint16_t *)y)[r * y_stride + j] = float_to_bf16(yf[r * n + j]);
+            else ((float *)y)[r * y_stride + j] = yf[r * n + j];
+        }
+    free(xf), free(xb);
     return 0;
 }

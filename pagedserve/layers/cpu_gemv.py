@@ -1,12 +1,15 @@
-"""The CPU's bf16 linear: ``cpu_gemv.c`` built once with the system C compiler (as the
-native decode kernel, ``attention/backends/cpu_native``) and called through ctypes.
+"""The CPU's linear for few rows and emulated bf16: ``cpu_gemv.c`` built once with the system C
+compiler (as the native decode kernel, ``attention/backends/cpu_native``) and called through
+ctypes.
 
 Why: a decode step at a small batch multiplies every weight by a few rows, so its time is the
-weight read, and torch's bf16 linear at a few rows is slower than that; and on a CPU without native bf16 matmuls (no AVX512-BF16 or AMX) torch's bf16 matmul is
-emulated, several times slower than its fp32 one, at any batch (docs/cpu.md#bf16-linears has
-the figures). The kernel serves bf16 inputs (of up to ``SMALL_BATCH_ROWS`` rows where the CPU
-has native bf16); everything else goes to ``F.linear``. No compiler, or a failed build:
-``F.linear`` everywhere (logged once).
+weight read, and torch's linear at a few rows reads slower than that (bf16 and fp32); and on a
+CPU without native bf16 matmuls (no AVX512-BF16 or AMX) torch's bf16 matmul is emulated,
+several times slower than its fp32 one, at any batch (docs/cpu.md#bf16-linears has the
+figures). Inputs of up to ``SMALL_BATCH_ROWS`` rows, bf16 or fp32, go to ``gemv_rows`` where
+it is vectorized (AVX512F); bf16 inputs to ``gemv_bf16`` (AVX2; of up to ``SMALL_BATCH_ROWS``
+rows where the CPU has native bf16); everything else to ``F.linear``. No compiler, or a failed
+build: ``F.linear`` everywhere (logged once).
 """
 
 from __future__ import annotations
@@ -30,60 +33,84 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 SMALL_BATCH_ROWS = 4
-"""Where the CPU multiplies bf16 natively, the rows of x the kernel takes; more go to
-``F.linear``, whose native bf16 matmul is efficient once the weight serves many rows. Where it
-does not, the kernel takes any number of rows."""
+"""The rows of x ``gemv_rows`` takes, and ``gemv_bf16`` where the CPU multiplies bf16 natively;
+more go to ``F.linear``, whose matmul is efficient once the weight serves many rows. Where the
+CPU has no native bf16, ``gemv_bf16`` takes any number of bf16 rows."""
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """(x [..., k], weight [n, k], bias [n] or None) -> [..., n], as ``F.linear``."""
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 4 + [_i64] * 5 + [ctypes.c_int]
+_ROWS_ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 4 + [_i64] * 5 + [ctypes.c_int] * 2
 
 
 class GemvKernel:
-    """``gemv_bf16`` of the built library as a drop-in ``F.linear`` for bf16 inputs of up to
-    ``max_rows`` rows (None: any)."""
+    """The library's kernels as a drop-in ``F.linear``: ``gemv_rows`` (bf16 or fp32, up to
+    ``SMALL_BATCH_ROWS`` rows) where it is vectorized here, ``gemv_bf16`` for the other bf16
+    inputs of up to ``max_rows`` rows (None: any), ``F.linear`` for the rest."""
 
     def __init__(self, path: Path, max_rows: int | None) -> None:
         self.path = path
         self.max_rows = max_rows
-        self._fn = ctypes.CDLL(str(path)).gemv_bf16
+        library = ctypes.CDLL(str(path))
+        self._fn = library.gemv_bf16
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = ctypes.c_int
+        self._rows_fn = library.gemv_rows
+        self._rows_fn.argtypes = _ROWS_ARGTYPES
+        self._rows_fn.restype = ctypes.c_int
+        self.rows_vectorized = bool(library.gemv_rows_vectorized())
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [m, k]
-        if not self.applies(rows, weight, bias):
+        few_rows = self.takes_few_rows(rows, weight, bias)
+        if not few_rows and not self.applies(rows, weight, bias):
             return F.linear(x, weight, bias)
         n = weight.shape[0]
         out = torch.empty((rows.shape[0], n), dtype=x.dtype)  # [m, n]
-        status = self._fn(
-            rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), rows.shape[0], n, weight.shape[1], rows.stride(0), n,
-            torch.get_num_threads(),
-        )  # fmt: skip
+        args = (rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                out.data_ptr(), rows.shape[0], n, weight.shape[1], rows.stride(0), n)
+        threads = torch.get_num_threads()
+        if few_rows:
+            status = self._rows_fn(*args, int(x.dtype == torch.bfloat16), threads)
+        else:
+            status = self._fn(*args, threads)
         if status != 0:
-            raise MemoryError("gemv_bf16: could not allocate the widened rows of x")
+            raise MemoryError("cpu_gemv: could not allocate the widened rows of x")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def applies(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
-        """The kernel's case: bf16 everywhere, 1..max_rows rows with k contiguous, a
-        contiguous weight, not traced (a compiled graph keeps ``F.linear``)."""
-        return (
-            rows.is_cpu  # not meta (a model built for its shapes)
-            and rows.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16
-            and 0 < rows.shape[0] <= (self.max_rows or rows.shape[0])
-            and rows.stride(-1) == 1
-            and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-            and not torch.compiler.is_compiling()
-        )
+        """``gemv_bf16``'s case: bf16 everywhere, 1..max_rows rows (see ``_plain``)."""
+        return (rows.dtype == torch.bfloat16
+                and 0 < rows.shape[0] <= (self.max_rows or rows.shape[0])
+                and _plain(rows, weight, bias))
+
+    def takes_few_rows(
+        self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> bool:
+        """``gemv_rows``' case: vectorized here, bf16 or fp32, 1..SMALL_BATCH_ROWS rows."""
+        return (self.rows_vectorized
+                and rows.dtype in (torch.bfloat16, torch.float32)
+                and 0 < rows.shape[0] <= SMALL_BATCH_ROWS
+                and _plain(rows, weight, bias))
+
+
+def _plain(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """On the CPU, weight and bias in the dtype of ``rows``, k contiguous, a contiguous weight,
+    not traced (a compiled graph keeps ``F.linear``)."""
+    return (
+        rows.is_cpu  # not meta (a model built for its shapes)
+        and weight.dtype == rows.dtype
+        and rows.stride(-1) == 1
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == rows.dtype and bias.is_contiguous()))
+        and not torch.compiler.is_compiling()
+    )
 
 
 @functools.cache

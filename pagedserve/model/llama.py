@@ -244,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
     """The layer classes whose one-token forward this model runs on the fused GEMV kernels;
     a model whose layers are of other classes (a subclass's attention or MLP: Qwen3's q/k
     norms) gets no GEMV forward unless it declares them here."""
+    cpu_decode_layers: LayerTypes = LLAMA_LAYERS
+    """The same for the CPU's decode step in C (``model/cpu_decode.py``), which also knows
+    Qwen2's biases and Qwen3's q/k norms."""
 
     def __init__(
         self,
@@ -290,6 +293,15 @@ class LlamaForCausalLM(nn.Module):
         from pagedserve.model.gemv_decode import gemv_decode_forward  # Triton: on use only
 
         return gemv_decode_forward(self, self.one_token_layers)
+
+    def cpu_decode_forward(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """This model's forward with the steps whose requests each decode one token in C
+        (``model/cpu_decode.py``; the CPU), or None where the C step does not fit it (its
+        layers are not exactly ``cpu_decode_layers``, quantized weights, tensor parallelism,
+        no C compiler; the reason is logged)."""
+        from pagedserve.model.cpu_decode import cpu_decode_forward
+
+        return cpu_decode_forward(self, self.cpu_decode_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face checkpoint tensors by name; returns the loaded parameter names.

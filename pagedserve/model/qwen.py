@@ -55,7 +55,10 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
     # Llama's attention with other biases: the fused kernels take any bias.
     one_token_layers = LLAMA_LAYERS._replace(attention=Qwen2Attention)
+    cpu_decode_layers = one_token_layers
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
+    # The CPU's C decode step applies the q/k norms; the GPU's fused kernels do not.
+    cpu_decode_layers = LLAMA_LAYERS._replace(attention=Qwen3Attention)

@@ -158,14 +158,17 @@ class ModelRunner:
             if self.graphs.ladders.verify:
                 self.compiled_forward.add_verify_graphs()
             self.forward_fn = self.compiled_forward
+        elif compilation.one_token_step == "gemv":  # eager: decode steps on the device's code
+            self.forward_fn = self.platform.decode_forward(self.model) or self.model
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
-        """The model's own forward for one-token steps, where configured and the model has one
-        (CUDA: the fused GEMV kernels are Triton's; on the CPU the compiled forward serves
-        every step)."""
-        if (self.config.compilation.one_token_step != "gemv"
-                or not self.platform.has_triton_kernels()):
+        """The model's own forward for one-token steps of a compiled forward, where configured
+        and the model has one: the fused GEMV kernels where Triton's run (CUDA), else the
+        platform's decode forward (the CPU's C step)."""
+        if self.config.compilation.one_token_step != "gemv":
             return None
+        if not self.platform.has_triton_kernels():
+            return self.platform.decode_forward(self.model)
         declared = getattr(self.model, "one_token_forward", None)  # a model capability
         return None if declared is None else declared()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pagedserve.model.cpu_decode import CpuDecodeForward
 from pagedserve.model.gemv_decode import GemvDecodeForward
 from pagedserve.platform import platform_for
 from tests.compilation.conftest import DEEP_LLAMA, _runner
@@ -42,14 +43,16 @@ def test_runner_chooses_the_gemv_forward_where_it_applies(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """CUDA + ``one_token_step="gemv"`` + a supported model: the GEMV forward; otherwise none
-    (the compiled forward serves one-token steps), with the reason logged. The choice touches
+    (the compiled forward serves one-token steps), with the reason logged; the CPU: its C
+    decode step. The choice touches
     no device, so a CPU runner given the CUDA platform shows it."""
     torch.manual_seed(0)
     for name, head_dim in (("fits", 16), ("odd_tile", 8)):
         config = LlamaConfig(**{**DEEP_LLAMA, "hidden_size": 4 * head_dim})
         LlamaForCausalLM(config).save_pretrained(tmp_path / name)
     runner = _runner(tmp_path / "fits", "compile")
-    assert runner._one_token_forward() is None  # the CPU: no Triton kernels in serving
+    # the CPU: no Triton kernels in serving; its decode step in C, where a compiler builds it
+    assert isinstance(runner._one_token_forward(), CpuDecodeForward | None)
     runner.platform = platform_for(torch.device("cuda"))
     assert isinstance(runner._one_token_forward(), GemvDecodeForward)
     compilation = dataclasses.replace(runner.config.compilation, one_token_step="compiled")

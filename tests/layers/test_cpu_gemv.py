@@ -47,12 +47,31 @@ def test_keeps_leading_dims(kernel) -> None:
     assert kernel(x, w).shape == (1, 3, 8)
 
 
-@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (0, torch.bfloat16)])
+@pytest.mark.parametrize(("rows", "dtype"), [(5, torch.float32), (0, torch.bfloat16),
+                                            (1, torch.float16)])
 def test_other_inputs_go_to_f_linear(kernel, rows: int, dtype: torch.dtype) -> None:
     x = torch.randn(rows, 32).to(dtype)
     w = torch.randn(8, 32).to(dtype)
-    assert not kernel.applies(x, w, None)
+    assert not kernel.applies(x, w, None) and not kernel.takes_few_rows(x, w, None)
     torch.testing.assert_close(kernel(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize(("k", "n"), [(77, 13), (576, 960)])
+def test_few_rows_match_fp32_sums(kernel, dtype: torch.dtype, rows: int, k: int,
+                                  n: int) -> None:
+    """``gemv_rows`` (where vectorized): bf16 or fp32, strided rows of x, a bias."""
+    if not kernel.rows_vectorized:
+        pytest.skip("gemv_rows is not vectorized on this CPU")
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x = torch.randn(rows, k + 3, generator=gen).to(dtype)[:, :k]  # [rows, k], row stride k + 3
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    assert kernel.takes_few_rows(x, w, bias)
+    want = F.linear(x.float(), w.float(), bias.float()).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
+    torch.testing.assert_close(kernel(x, w, bias), want, **tol)
 
 
 def test_native_bf16_keeps_large_batches_on_torch(kernel) -> None:

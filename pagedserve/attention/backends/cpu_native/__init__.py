@@ -42,6 +42,10 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 whose constructor sets flush-to-zero / denormals-are-zero for the whole process when the
 library loads (torch's numerics included)."""
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+INCLUDE_DIRS = (Path(__file__).parent, Path(__file__).parents[3] / "layers")
+"""Where the kernels' shared headers live (``paged_attention.h`` here, ``cpu_kernels.h`` in
+``layers``): every source may include any of them, and every header's text is part of every
+library's name, so editing a header rebuilds what includes it."""
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -62,9 +66,15 @@ def _compiler_version(cc: str) -> str:
     return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
 
 
+def _headers() -> list[Path]:
+    return sorted(header for folder in INCLUDE_DIRS for header in folder.glob("*.h"))
+
+
 def library_path(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
+    """The library's file in ``cache_dir``, named by a hash of all it is built from."""
     key = hashlib.sha256()
-    parts = (source.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
+    headers = [h.name.encode() + h.read_bytes() for h in _headers()]
+    parts: tuple[bytes | str, ...] = (source.read_bytes(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
              _compiler_version(cc), _cpu_flags(), platform.machine())
     for part in parts:
         key.update(part if isinstance(part, bytes) else part.encode())
@@ -77,12 +87,25 @@ def build(cc: str, target: Path, source: Path = SOURCE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".tmp-") as tmp:
         obj, lib = os.path.join(tmp, f"{source.stem}.o"), os.path.join(tmp, target.name)
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", obj],
+        includes = [f"-I{folder}" for folder in INCLUDE_DIRS]
+        for cmd in ([cc, *COMPILE_FLAGS, *includes, "-c", str(source), "-o", obj],
                     [cc, obj, *LINK_FLAGS, "-o", lib]):  # fmt: skip
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
         os.replace(lib, target)
+
+
+def built_library(source: Path) -> Path:
+    """``source`` built into the kernel cache (once; later calls find the file). OSError,
+    RuntimeError or SubprocessError where no compiler builds it here."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    path = library_path(cc, default_cache_dir() / "cpu_kernels", source)
+    if not path.exists():
+        build(cc, path, source)
+    return path
 
 
 class PagedDecodeKernel:

@@ -1,0 +1,34 @@
+/* Helpers shared by the CPU's C kernels (layers/cpu_gemv.c,
+ * attention/backends/cpu_native/paged_decode.c, model/cpu_decode.c): bf16 <-> fp32.
+ *
+ * bf16 is the top half of an fp32: widening is a shift (exact), narrowing rounds to nearest
+ * even, as torch's casts do (a NaN stays a quiet NaN). The build hashes this header into the
+ * name of every library that includes it.
+ */
+#ifndef PAGEDSERVE_CPU_KERNELS_H
+#define PAGEDSERVE_CPU_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* f rounded to the nearest bf16, as an fp32: what a bf16 tensor would hold. */
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#endif

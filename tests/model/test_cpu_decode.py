@@ -1,0 +1,170 @@
+"""The CPU's decode step in C (``model/cpu_decode.py``) against the model's torch layers: the same
+greedy tokens and logits through the paged KV cache (fp32: tight; bf16: close), at batch 1 and
+several requests at once, over blocks of 4 tokens (the steps cross block boundaries); greedy
+tokens equal transformers'; and the models, weights and caches it leaves to the torch layers."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from pagedserve.attention.layer import attention_layers, bind_kv_caches
+from pagedserve.distributed.parallel_state import SINGLE_RANK
+from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading
+from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
+from pagedserve.model.cpu_decode import CpuDecodeForward, load_decode_step, unsupported_reason
+from pagedserve.model.llama import LlamaForCausalLM, LlamaMLP
+from pagedserve.model.registry import get_model_class
+from tests.model.hf_tiny import CASES, make_hf_model, saved_checkpoint
+from tests.model.paged_harness import greedy_generate
+
+pytestmark = pytest.mark.skipif(load_decode_step() is None, reason="no C compiler here")
+NUM_STEPS = 8
+PROMPTS = [[5, 17, 3, 120, 9, 44, 8], [31], [7, 7, 1, 150, 2, 90, 61, 11, 4, 3, 100]]
+C_CASES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "llama_head_dim_bias"]
+
+
+class DecodeInC(nn.Module):
+    """The model, with its forward through ``CpuDecodeForward`` (as the CPU runner's)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.inner = model
+        forward = model.cpu_decode_forward()
+        assert isinstance(forward, CpuDecodeForward)
+        self.c_forward = forward
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.c_forward(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden_states)
+
+
+def _ours(case: str, tmp_path, dtype: torch.dtype = torch.float32,
+          linear_method: LinearMethod = UNQUANTIZED, **overrides: object) -> LlamaForCausalLM:
+    """Our model of a tiny case, with ``overrides`` set on its config before it is built."""
+    model_cls, config = CASES[case]
+    config = copy.deepcopy(config)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(0)
+    hf_model = model_cls(config).eval()
+    ours = get_model_class(config)(config, dtype, torch.device("cpu"), SINGLE_RANK,
+                                   linear_method)
+    ours.load_weights(saved_checkpoint(hf_model, tmp_path).items())
+    finish_loading(ours)
+    return ours
+
+
+def _compare(ours: LlamaForCausalLM, prompts: list[list[int]], atol: float) -> DecodeInC:
+    want = greedy_generate(ours, prompts, NUM_STEPS)
+    fused = DecodeInC(ours)
+    got = greedy_generate(fused, prompts, NUM_STEPS)
+    for g, w in zip(got, want, strict=True):
+        assert g.generated == w.generated
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), atol=atol,
+                                   rtol=0)
+    return fused
+
+
+@pytest.mark.parametrize("case", C_CASES)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_batch_1_same_tokens_and_logits_as_the_torch_layers(case: str, prompt: list[int],
+                                                            tmp_path) -> None:
+    """fp32, one request: the prefill on the torch layers (a one-token prompt's prefill is a
+    one-token step, in C), every decode step in C."""
+    torch.set_num_threads(1)
+    fused = _compare(_ours(case, tmp_path), [prompt], atol=1e-4)
+    assert fused.c_forward.c_steps == NUM_STEPS - 1 + (len(prompt) == 1)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_several_requests_of_different_lengths(case: str, threads: int, tmp_path) -> None:
+    """fp32, three requests decoding together (the prompts prefill in one mixed step on the
+    torch layers), with every bias (q/k/v, o_proj, gate/up, down) where Llama has them."""
+    torch.set_num_threads(threads)
+    extra = {"attention_bias": True, "mlp_bias": True} if case == "llama" else {}
+    fused = _compare(_ours(case, tmp_path, **extra), PROMPTS, atol=1e-4)
+    assert fused.c_forward.c_steps == NUM_STEPS - 1
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
+def test_bf16_logits_stay_close(case: str, tmp_path) -> None:
+    """bf16: the C step rounds where the torch ops do, but sums in another order, so logits are
+    close, not equal: within 2% of their range; the first decode step's greedy token is the
+    same."""
+    torch.set_num_threads(1)
+    ours = _ours(case, tmp_path, dtype=torch.bfloat16)
+    want = greedy_generate(ours, PROMPTS, 2)
+    got = greedy_generate(DecodeInC(ours), PROMPTS, 2)
+    for g, w, prompt in zip(got, want, PROMPTS, strict=True):
+        assert g.generated[0] == w.generated[0]  # the prefill ran on the torch layers in both
+        step, ref = g.logits[len(prompt)], w.logits[len(prompt)]  # the first decode step
+        assert (step - ref).abs().max() <= 0.02 * (ref.max() - ref.min())
+        assert step.argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_equal_transformers(case: str, tmp_path) -> None:
+    torch.set_num_threads(1)
+    hf_model = make_hf_model(case)
+    config = hf_model.config
+    ours = get_model_class(config)(config, torch.float32, torch.device("cpu"))
+    ours.load_weights(saved_checkpoint(hf_model, tmp_path).items())
+    fused = DecodeInC(ours)
+    seqs = greedy_generate(fused, PROMPTS, 24)
+    for seq, prompt in zip(seqs, PROMPTS, strict=True):
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                do_sample=False)
+        assert seq.generated == out[0, len(prompt):].tolist()
+    assert fused.c_forward.c_steps == 23
+
+
+class GatedGeluMLP(LlamaMLP):
+    """Another MLP: the C step applies SiLU, so this one must not reach it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.gelu(gate) * up)
+
+
+def test_unsupported_models_keep_the_torch_layers(tmp_path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Another MLP class, FP8 weights, tensor parallelism: no C forward, the reason logged."""
+    ours = _ours("llama", tmp_path)
+    for layer in ours.model.layers:
+        layer.mlp = GatedGeluMLP(ours.config, torch.float32, torch.device("cpu"), ours.tp,
+                                 UNQUANTIZED)
+    fp8 = _ours("llama", tmp_path, linear_method=Fp8OnlineLinearMethod("dequantize"))
+    tp = _ours("llama", tmp_path)
+    tp.tp = dataclasses.replace(tp.tp, size=2, group_name="tp")
+    reasons = {"GatedGeluMLP is not a class": ours, "Fp8OnlineLinearMethod weights": fp8,
+               "tensor parallelism": tp}
+    for reason, model in reasons.items():
+        with caplog.at_level(logging.INFO, logger="pagedserve"):
+            assert model.cpu_decode_forward() is None
+        assert reason in caplog.text
+        assert reason in (unsupported_reason(model, model.cpu_decode_layers) or "")
+
+
+def test_an_fp8_kv_cache_keeps_the_torch_layers(tmp_path) -> None:
+    """The C step writes and reads a cache in the model's dtype: with FP8 caches bound it
+    builds no tables, and every step runs the torch layers."""
+    ours = _ours("llama", tmp_path)
+    forward = ours.cpu_decode_forward()
+    assert isinstance(forward, CpuDecodeForward)
+    caches = {name: torch.zeros(layer.kv_cache_shape(8, 4), dtype=torch.float8_e4m3fn)
+              for name, layer in attention_layers(ours).items()}
+    bind_kv_caches(ours, caches, TorchRefBackend())
+    assert forward._c_model() is None
+    assert forward.cache_refused
