@@ -86,30 +86,31 @@ class GemvKernel:
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
         """``gemv_bf16``'s case: bf16 everywhere, 1..max_rows rows (see ``_plain``)."""
-        return (rows.dtype == torch.bfloat16
-                and 0 < rows.shape[0] <= (self.max_rows or rows.shape[0])
-                and _plain(rows, weight, bias))
+        return (_plain(rows, weight, bias)
+                and rows.dtype == torch.bfloat16
+                and 0 < rows.shape[0] <= (self.max_rows or rows.shape[0]))
 
     def takes_few_rows(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
         """``gemv_rows``' case: vectorized here, bf16 or fp32, 1..SMALL_BATCH_ROWS rows."""
         return (self.rows_vectorized
+                and _plain(rows, weight, bias)
                 and rows.dtype in (torch.bfloat16, torch.float32)
-                and 0 < rows.shape[0] <= SMALL_BATCH_ROWS
-                and _plain(rows, weight, bias))
+                and 0 < rows.shape[0] <= SMALL_BATCH_ROWS)
 
 
 def _plain(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """On the CPU, weight and bias in the dtype of ``rows``, k contiguous, a contiguous weight,
-    not traced (a compiled graph keeps ``F.linear``)."""
+    not traced (a compiled graph keeps ``F.linear``; checked first, before a guard on the
+    traced row count)."""
     return (
-        rows.is_cpu  # not meta (a model built for its shapes)
+        not torch.compiler.is_compiling()
+        and rows.is_cpu  # not meta (a model built for its shapes)
         and weight.dtype == rows.dtype
         and rows.stride(-1) == 1
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == rows.dtype and bias.is_contiguous()))
-        and not torch.compiler.is_compiling()
     )
 
 
