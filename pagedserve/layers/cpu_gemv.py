@@ -6,7 +6,7 @@ Why: a decode step at a small batch multiplies every weight by a few rows, so it
 weight read, and torch's linear at a few rows reads slower than that (bf16 and fp32); and on a
 CPU without native bf16 matmuls (no AVX512-BF16 or AMX) torch's bf16 matmul is emulated,
 several times slower than its fp32 one, at any batch (docs/cpu.md#bf16-linears has the
-figures). Inputs of up to ``SMALL_BATCH_ROWS`` rows, bf16 or fp32, go to ``gemv_rows`` where
+figures). Inputs of up to ``FEW_ROWS`` rows, bf16 or fp32, go to ``gemv_rows`` where
 it is vectorized (AVX512F); bf16 inputs to ``gemv_bf16`` (AVX2; of up to ``SMALL_BATCH_ROWS``
 rows where the CPU has native bf16); everything else to ``F.linear``. No compiler, or a failed
 build: ``F.linear`` everywhere (logged once).
@@ -33,9 +33,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 SMALL_BATCH_ROWS = 4
-"""The rows of x ``gemv_rows`` takes, and ``gemv_bf16`` where the CPU multiplies bf16 natively;
-more go to ``F.linear``, whose matmul is efficient once the weight serves many rows. Where the
-CPU has no native bf16, ``gemv_bf16`` takes any number of bf16 rows."""
+"""The rows of x ``gemv_bf16`` takes where the CPU multiplies bf16 natively; more go to
+``F.linear``, whose native bf16 matmul is efficient once the weight serves many rows. Where it
+does not, ``gemv_bf16`` takes any number of bf16 rows."""
+FEW_ROWS = 8
+"""The rows of x ``gemv_rows`` takes (bf16 or fp32): up to here it reads the weights faster
+than torch's matmul (the default model's LM head and gate/up at 8 rows, one thread), at 16
+torch is as fast or faster."""
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """(x [..., k], weight [n, k], bias [n] or None) -> [..., n], as ``F.linear``."""
@@ -47,7 +51,7 @@ _ROWS_ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 4 + [_i64] * 5 + [cty
 
 class GemvKernel:
     """The library's kernels as a drop-in ``F.linear``: ``gemv_rows`` (bf16 or fp32, up to
-    ``SMALL_BATCH_ROWS`` rows) where it is vectorized here, ``gemv_bf16`` for the other bf16
+    ``FEW_ROWS`` rows) where it is vectorized here, ``gemv_bf16`` for the other bf16
     inputs of up to ``max_rows`` rows (None: any), ``F.linear`` for the rest."""
 
     def __init__(self, path: Path, max_rows: int | None) -> None:
@@ -93,17 +97,17 @@ class GemvKernel:
     def takes_few_rows(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
-        """``gemv_rows``' case: vectorized here, bf16 or fp32, 1..SMALL_BATCH_ROWS rows."""
+        """``gemv_rows``' case: vectorized here, bf16 or fp32, 1..FEW_ROWS rows."""
         return (self.rows_vectorized
                 and _plain(rows, weight, bias)
                 and rows.dtype in (torch.bfloat16, torch.float32)
-                and 0 < rows.shape[0] <= SMALL_BATCH_ROWS)
+                and 0 < rows.shape[0] <= FEW_ROWS)
 
 
 def _plain(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """On the CPU, weight and bias in the dtype of ``rows``, k contiguous, a contiguous weight,
-    not traced (a compiled graph keeps ``F.linear``; checked first, before a guard on the
-    traced row count)."""
+    """Not traced (a compiled graph keeps ``F.linear``; checked first: a traced row count is
+    symbolic), on the CPU, weight and bias in the dtype of ``rows``, k contiguous, a contiguous
+    weight."""
     return (
         not torch.compiler.is_compiling()
         and rows.is_cpu  # not meta (a model built for its shapes)

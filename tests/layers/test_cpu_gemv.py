@@ -47,7 +47,7 @@ def test_keeps_leading_dims(kernel) -> None:
     assert kernel(x, w).shape == (1, 3, 8)
 
 
-@pytest.mark.parametrize(("rows", "dtype"), [(5, torch.float32), (0, torch.bfloat16),
+@pytest.mark.parametrize(("rows", "dtype"), [(9, torch.float32), (0, torch.bfloat16),
                                             (1, torch.float16)])
 def test_other_inputs_go_to_f_linear(kernel, rows: int, dtype: torch.dtype) -> None:
     x = torch.randn(rows, 32).to(dtype)
@@ -57,7 +57,7 @@ def test_other_inputs_go_to_f_linear(kernel, rows: int, dtype: torch.dtype) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
 @pytest.mark.parametrize(("k", "n"), [(77, 13), (576, 960)])
 def test_few_rows_match_fp32_sums(kernel, dtype: torch.dtype, rows: int, k: int,
                                   n: int) -> None:

@@ -18,7 +18,12 @@ from pagedserve.attention.layer import attention_layers, bind_kv_caches
 from pagedserve.distributed.parallel_state import SINGLE_RANK
 from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
-from pagedserve.model.cpu_decode import CpuDecodeForward, load_decode_step, unsupported_reason
+from pagedserve.model.cpu_decode import (
+    MAX_FP32_ROWS,
+    CpuDecodeForward,
+    load_decode_step,
+    unsupported_reason,
+)
 from pagedserve.model.llama import LlamaForCausalLM, LlamaMLP
 from pagedserve.model.registry import get_model_class
 from tests.model.hf_tiny import CASES, make_hf_model, saved_checkpoint
@@ -168,3 +173,15 @@ def test_an_fp8_kv_cache_keeps_the_torch_layers(tmp_path) -> None:
     bind_kv_caches(ours, caches, TorchRefBackend())
     assert forward._c_model() is None
     assert forward.cache_refused
+
+
+def test_large_fp32_batches_keep_the_torch_layers(tmp_path) -> None:
+    """fp32 decode batches above MAX_FP32_ROWS run the torch layers; bf16 ones stay in C."""
+    ours = _ours("llama", tmp_path)
+    prompts = [[i + 1] for i in range(MAX_FP32_ROWS + 1)]  # one-token prompts: all decode
+    fused = DecodeInC(ours)
+    greedy_generate(fused, prompts, 2)
+    assert fused.c_forward.c_steps == 0
+    fused = DecodeInC(_ours("llama", tmp_path, dtype=torch.bfloat16))
+    greedy_generate(fused, prompts, 2)
+    assert fused.c_forward.c_steps == 2

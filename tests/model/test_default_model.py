@@ -10,10 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from pagedserve.config import DEFAULT_MODEL, ModelConfig
+from pagedserve.model.cpu_decode import load_decode_step
 from pagedserve.model.loader import load_model
 from pagedserve.model.resolve import ResolvedModel, locate, resolve_model
 from pagedserve.model.tokenizer import get_tokenizer
 from tests.model.paged_harness import greedy_generate
+from tests.model.test_cpu_decode import DecodeInC
 
 PROMPT = "The capital of France is"
 NUM_STEPS = 8
@@ -87,6 +89,17 @@ def test_logits_match_transformers_and_greedy_says_paris(
     torch.testing.assert_close(ours, hf_logits, rtol=0, atol=1e-3)
     # Hence the same greedy tokens: each of ours is transformers' argmax at its position.
     assert seq.generated == hf_logits[len(prompt_ids) - 1 :].argmax(-1).tolist()
+
+    # The CPU's decode steps in C: the GGUF's dequantized weights are plain fp32 tensors it
+    # reads, and its tokens and logits are transformers' too.
+    if load_decode_step() is None:
+        return
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    fused = DecodeInC(model)
+    (c_seq,) = greedy_generate(fused, [prompt_ids], NUM_STEPS)
+    assert fused.c_forward.c_steps == NUM_STEPS - 1
+    assert c_seq.token_ids == seq.token_ids
+    torch.testing.assert_close(torch.stack(c_seq.logits), hf_logits, rtol=0, atol=1e-3)
 
 
 def test_default_model_starts_in_fp32_at_full_context_and_on_a_small_budget(caplog) -> None:
