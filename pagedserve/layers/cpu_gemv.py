@@ -8,8 +8,9 @@ CPU without native bf16 matmuls (no AVX512-BF16 or AMX) torch's bf16 matmul is e
 several times slower than its fp32 one, at any batch (docs/cpu.md#bf16-linears has the
 figures). Inputs of up to ``FEW_ROWS`` rows, bf16 or fp32, go to ``gemv_rows`` where
 it is vectorized (AVX512F); bf16 inputs to ``gemv_bf16`` (AVX2; of up to ``SMALL_BATCH_ROWS``
-rows where the CPU has native bf16); everything else to ``F.linear``. No compiler, or a failed
-build: ``F.linear`` everywhere (logged once).
+rows where the CPU has native bf16); the other fp32 and native bf16 inputs to oneDNN on packed
+weights (``cpu_packed_linear.py``) where torch has it, else ``F.linear``. No compiler, or a
+failed build: the same without the C kernels (logged once).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backends.cpu_native import build, library_path
+from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
 from pagedserve.platform import cpu_has_fast_bf16, default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -52,11 +54,12 @@ _ROWS_ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 4 + [_i64] * 5 + [cty
 class GemvKernel:
     """The library's kernels as a drop-in ``F.linear``: ``gemv_rows`` (bf16 or fp32, up to
     ``FEW_ROWS`` rows) where it is vectorized here, ``gemv_bf16`` for the other bf16
-    inputs of up to ``max_rows`` rows (None: any), ``F.linear`` for the rest."""
+    inputs of up to ``max_rows`` rows (None: any), ``large`` for the rest."""
 
-    def __init__(self, path: Path, max_rows: int | None) -> None:
+    def __init__(self, path: Path, max_rows: int | None, large: Linear = F.linear) -> None:
         self.path = path
         self.max_rows = max_rows
+        self.large = large
         library = ctypes.CDLL(str(path))
         self._fn = library.gemv_bf16
         self._fn.argtypes = _ARGTYPES
@@ -72,7 +75,10 @@ class GemvKernel:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [m, k]
         few_rows = self.takes_few_rows(rows, weight, bias)
         if not few_rows and not self.applies(rows, weight, bias):
-            return F.linear(x, weight, bias)
+            if not _plain(rows, weight, bias):
+                return F.linear(x, weight, bias)
+            out = self.large(rows, weight, bias)  # [m, n]
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         n = weight.shape[0]
         out = torch.empty((rows.shape[0], n), dtype=x.dtype)  # [m, n]
         args = (rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
@@ -120,16 +126,32 @@ def _plain(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 @functools.cache
 def cpu_linear() -> Linear:
-    """The CPU's linear: the kernel where a C compiler builds it, else ``F.linear``."""
+    """The CPU's linear: the kernels where a C compiler builds them and oneDNN on packed
+    weights for many rows, else whichever of the two is there, else ``F.linear``."""
+    large = PackedLinear() if packing_available() else F.linear
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         logger.warning("no C compiler found: CPU bf16 linears use F.linear")
-        return F.linear
+        return _unless_traced(large)
     try:
         path = library_path(cc, default_cache_dir() / "cpu_kernels", SOURCE)
         if not path.exists():
             build(cc, path, SOURCE)
-        return GemvKernel(path, SMALL_BATCH_ROWS if cpu_has_fast_bf16() else None)
+        return GemvKernel(path, SMALL_BATCH_ROWS if cpu_has_fast_bf16() else None, large)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU bf16 GEMV kernel not built (%s): using F.linear", e)
-        return F.linear
+        return _unless_traced(large)
+
+
+def _unless_traced(large: Linear) -> Linear:
+    """``large`` for untraced 2-D CPU inputs, ``F.linear`` for the rest."""
+    if large is F.linear:
+        return large
+
+    def linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or not _plain(x, weight, bias):
+            return F.linear(x, weight, bias)
+        return large(x, weight, bias)
+
+    return linear

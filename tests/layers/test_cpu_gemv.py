@@ -47,8 +47,7 @@ def test_keeps_leading_dims(kernel) -> None:
     assert kernel(x, w).shape == (1, 3, 8)
 
 
-@pytest.mark.parametrize(("rows", "dtype"), [(9, torch.float32), (0, torch.bfloat16),
-                                            (1, torch.float16)])
+@pytest.mark.parametrize(("rows", "dtype"), [(0, torch.bfloat16), (1, torch.float16)])
 def test_other_inputs_go_to_f_linear(kernel, rows: int, dtype: torch.dtype) -> None:
     x = torch.randn(rows, 32).to(dtype)
     w = torch.randn(8, 32).to(dtype)

@@ -1,0 +1,67 @@
+"""oneDNN on packed weights against F.linear, and its cache of packed copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.layers import cpu_gemv
+from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 16, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 100, generator=gen).to(dtype)[:, :77]  # row stride 100
+    w = torch.randn(40, 77, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype) if with_bias else None
+    linear = PackedLinear(native_bf16=True)
+    with torch.inference_mode():
+        got = linear(x, w, bias)
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_repacks_a_weight_written_in_place() -> None:
+    x, w = torch.randn(16, 32), torch.randn(8, 32)
+    linear = PackedLinear()
+    with torch.inference_mode():
+        first = linear.packed(w)
+        assert linear.packed(w) is first
+        w.mul_(2)
+        torch.testing.assert_close(linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert linear.packed(w) is not first
+
+
+def test_forgets_a_dead_weight() -> None:
+    linear = PackedLinear()
+    w = torch.randn(8, 32)
+    with torch.inference_mode():
+        linear.packed(w)
+    assert len(linear._packed) == 1
+    del w
+    assert not linear._packed
+
+
+def test_leaves_emulated_bf16_and_autograd_to_f_linear() -> None:
+    x, w = torch.randn(16, 32).to(torch.bfloat16), torch.randn(8, 32).to(torch.bfloat16)
+    assert not PackedLinear(native_bf16=False).takes(x, w)
+    wf = torch.randn(8, 32, requires_grad=True)
+    assert not PackedLinear().takes(torch.randn(16, 32), wf)
+
+
+def test_cpu_linear_sends_many_fp32_rows_to_it() -> None:
+    linear = cpu_gemv.cpu_linear()
+    x, w = torch.randn(2, 20, 32), torch.randn(8, 32)
+    with torch.inference_mode():
+        got = linear(x, w, None)
+    assert got.shape == (2, 20, 8)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    if isinstance(linear, cpu_gemv.GemvKernel):
+        assert isinstance(linear.large, PackedLinear)
