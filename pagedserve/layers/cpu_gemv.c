@@ -22,6 +22,7 @@
 
 #include "cpu_kernels.h"
 #include "decode_gemv.h"
+#include "panel_gemm.h"
 
 #define MAX_ROWS 4 /* rows of x per pass over a group of weight rows (registers) */
 #define ROW_CHUNK 64 /* rows of x whose widened copy one sweep over the weights reuses */
@@ -144,10 +145,12 @@ int gemv_rows_vectorized(void) {
 
 /* y = x W^T (+ bias) for a few rows (a decode step's linears and LM head) with decode_gemv.h's
  * kernel, bf16 or fp32: x [m, k] (row stride x_stride), w [n, k], bias [n] or NULL, y [m, n]
- * (row stride y_stride), all in one dtype; fp32 sums, one rounding. Returns 2 where the fp32
- * copies cannot be allocated. */
-int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n,
-              int64_t k, int64_t x_stride, int64_t y_stride, int is_bf16, int num_threads) {
+ * (row stride y_stride), all in one dtype; fp32 sums, one rounding. With `packed`, w is
+ * panel_gemm.h's layout of the weight instead. Returns 2 where the fp32 copies cannot be
+ * allocated, 1 where panel_gemm has no kernel for the dtype here. */
+static int rows_product(const void *x, const void *w, const void *bias, void *y, int64_t m,
+                        int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int is_bf16,
+                        int packed, int num_threads) {
     float *xf = malloc((size_t)(m * (k + n)) * sizeof(float)); /* x [m, k], then y [m, n] */
     uint16_t *xb = malloc((size_t)(m * k) * sizeof(uint16_t) + 64); /* x as bf16 [m, k] */
     if (xf == NULL || xb == NULL) {
@@ -164,12 +167,25 @@ int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m
                 xf[r * k + i] = ((const float *)x)[r * x_stride + i];
             }
         }
-    decode_gemv(xf, xb, w, bias, yf, m, n, k, is_bf16, num_threads);
-    for (int64_t r = 0; r < m; r++)
+    int status = 0;
+    if (packed) status = panel_gemm(xf, xb, w, bias, yf, m, n, k, is_bf16, num_threads);
+    else decode_gemv(xf, xb, w, bias, yf, m, n, k, is_bf16, num_threads);
+    for (int64_t r = 0; r < m && status == 0; r++)
         for (int64_t j = 0; j < n; j++) {
             if (is_bf16) ((uint16_t *)y)[r * y_stride + j] = float_to_bf16(yf[r * n + j]);
             else ((float *)y)[r * y_stride + j] = yf[r * n + j];
         }
     free(xf), free(xb);
-    return 0;
+    return status;
+}
+
+int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n,
+              int64_t k, int64_t x_stride, int64_t y_stride, int is_bf16, int num_threads) {
+    return rows_product(x, w, bias, y, m, n, k, x_stride, y_stride, is_bf16, 0, num_threads);
+}
+
+/* gemv_rows on a weight packed for panel_gemm.h (tests and benchmarks call it). */
+int gemm_panels(const void *x, const void *wp, const void *bias, void *y, int64_t m, int64_t n,
+                int64_t k, int64_t x_stride, int64_t y_stride, int is_bf16, int num_threads) {
+    return rows_product(x, wp, bias, y, m, n, k, x_stride, y_stride, is_bf16, 1, num_threads);
 }

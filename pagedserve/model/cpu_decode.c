@@ -26,6 +26,7 @@
 
 #include "cpu_kernels.h"
 #include "decode_gemv.h"
+#include "panel_gemm.h"
 #include "paged_attention.h"
 
 typedef struct {
@@ -36,6 +37,8 @@ typedef struct {
     const void *gate_up, *gate_up_bias;   /* [2 I, hidden], [2 I] or NULL */
     const void *down, *down_bias;         /* [hidden, I], [hidden] or NULL */
     void *key_cache, *value_cache;
+    /* The four weights packed for panel_gemm.h, or NULL: batches use decode_gemv.h. */
+    const void *qkv_panels, *o_panels, *gate_up_panels, *down_panels;
 } DecodeLayer;
 
 typedef struct {
@@ -43,6 +46,7 @@ typedef struct {
     int64_t block_size, cache_block_stride, max_position;
     float norm_eps, qk_norm_eps, scale;
     int is_bf16;
+    int64_t panel_min_rows; /* from this many rows on, packed weights go to panel_gemm */
     const void *cos_sin, *final_norm;
     const DecodeLayer *layers;
 } DecodeModel;
@@ -94,12 +98,16 @@ static void add_norm(const DecodeModel *md, const void *w, int64_t m, Scratch *s
     }
 }
 
-/* y = x W^T + bias, rounded to the dtype: the GEMV of a linear layer. */
-static void linear(const DecodeModel *md, const float *x, const void *w, const void *bias,
-                   float *y, int64_t m, int64_t n, int64_t k, Scratch *s, int num_threads) {
+/* y = x W^T + bias, rounded to the dtype: the GEMV of a linear layer; on `panels` (w packed,
+ * or NULL) from md->panel_min_rows rows on. */
+static void linear(const DecodeModel *md, const float *x, const void *w, const void *panels,
+                   const void *bias, float *y, int64_t m, int64_t n, int64_t k, Scratch *s,
+                   int num_threads) {
     if (md->is_bf16)
         for (int64_t i = 0; i < m * k; i++) s->xb[i] = float_to_bf16(x[i]);
-    decode_gemv(x, s->xb, w, bias, y, m, n, k, md->is_bf16, num_threads);
+    if (panels == NULL || m < md->panel_min_rows
+        || panel_gemm(x, s->xb, panels, bias, y, m, n, k, md->is_bf16, num_threads) != 0)
+        decode_gemv(x, s->xb, w, bias, y, m, n, k, md->is_bf16, num_threads);
     round_all(y, m * n, md->is_bf16);
 }
 
@@ -156,7 +164,7 @@ static int layer_step(const DecodeModel *md, const DecodeLayer *L, int64_t m,
     const int64_t qkv_n = hq + 2 * md->num_kv_heads * d, inter = md->intermediate;
     const int bf = md->is_bf16;
     add_norm(md, L->input_norm, m, s);
-    linear(md, s->normed, L->qkv, L->qkv_bias, s->qkv, m, qkv_n, h, s, threads);
+    linear(md, s->normed, L->qkv, L->qkv_panels, L->qkv_bias, s->qkv, m, qkv_n, h, s, threads);
     int status = rope_and_write_kv(md, L, m, positions, slots, s);
     if (status != 0) return status;
     const Work w = {s->q, L->key_cache, L->value_cache, s->rows, block_table, seq_lens, s->out,
@@ -164,9 +172,10 @@ static int layer_step(const DecodeModel *md, const DecodeLayer *L, int64_t m,
                     hq, hq, md->cache_block_stride, md->scale, bf};
     if (attend_requests(&w, threads) != 0) return 2;
     for (int64_t i = 0; i < m * hq; i++) s->attn[i] = load(s->out, i, bf);
-    linear(md, s->attn, L->o_proj, L->o_bias, s->y, m, h, hq, s, threads);
+    linear(md, s->attn, L->o_proj, L->o_panels, L->o_bias, s->y, m, h, hq, s, threads);
     add_norm(md, L->post_norm, m, s);
-    linear(md, s->normed, L->gate_up, L->gate_up_bias, s->gate_up, m, 2 * inter, h, s, threads);
+    linear(md, s->normed, L->gate_up, L->gate_up_panels, L->gate_up_bias, s->gate_up, m,
+           2 * inter, h, s, threads);
     for (int64_t r = 0; r < m; r++) {
         const float *g = s->gate_up + r * 2 * inter, *u = g + inter;
         for (int64_t i = 0; i < inter; i++) {
@@ -174,7 +183,7 @@ static int layer_step(const DecodeModel *md, const DecodeLayer *L, int64_t m,
             s->act[r * inter + i] = rnd(silu * u[i], bf);
         }
     }
-    linear(md, s->act, L->down, L->down_bias, s->y, m, h, inter, s, threads);
+    linear(md, s->act, L->down, L->down_panels, L->down_bias, s->y, m, h, inter, s, threads);
     return 0;
 }
 

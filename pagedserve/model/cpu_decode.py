@@ -29,6 +29,7 @@ import torch
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedserve.layers.panel_pack import panel_pack
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.model.llama import LayerTypes, LlamaDecoderLayer, LlamaForCausalLM
 
@@ -40,6 +41,10 @@ MAX_FP32_ROWS = 32
 """fp32 decode batches above this run the torch layers: from there torch's fp32 matmul outpaces
 the C step's products (at 64 requests of the default model, one thread, 386 against 434 ms a
 step; at 16, 85 against 137 ms of forward). bf16 batches of any size run in C."""
+PANEL_MIN_ROWS = 8
+"""Decode batches of this many requests or more multiply on weights packed in panels
+(``layers/panel_gemm.h``), packed on the first such step; smaller ones read the plain
+weights, which they stream at the memory's rate."""
 _STATUS = {1: "no memory for the step's scratch", 2: "the attention left requests undone",
            3: "a position past the rotary table"}
 
@@ -51,7 +56,8 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [(name, _p) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias",
-        "gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache")]
+        "gate_up", "gate_up_bias", "down", "down_bias", "key_cache", "value_cache",
+        "qkv_panels", "o_panels", "gate_up_panels", "down_panels")]
 
 
 class _Model(ctypes.Structure):
@@ -61,7 +67,7 @@ class _Model(ctypes.Structure):
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "block_size", "cache_block_stride", "max_position")],
         ("norm_eps", ctypes.c_float), ("qk_norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
-        ("is_bf16", ctypes.c_int), ("cos_sin", _p), ("final_norm", _p),
+        ("is_bf16", ctypes.c_int), ("panel_min_rows", _i64), ("cos_sin", _p), ("final_norm", _p),
         ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -136,11 +142,13 @@ class CpuDecodeForward:
         self.cache_refused = False
         self._caches: list[torch.Tensor] = []
         self._tables: tuple[_Model, ctypes.Array[_Layer]] | None = None
+        self._panels: list[list[torch.Tensor]] | None = None
+        """Per layer: qkv, o, gate_up, down packed for panel_gemm (None: not yet)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         step = self._decode_tables(ctx, input_ids.shape[0], positions)
-        c_model = None if step is None else self._c_model()
+        c_model = None if step is None else self._c_model(input_ids.shape[0])
         if step is None or c_model is None:
             return self.model(input_ids, positions)
         block_table, seq_lens, slots = step
@@ -176,12 +184,14 @@ class CpuDecodeForward:
             return None
         return block_table, seq_lens, slots
 
-    def _c_model(self) -> _Model | None:
-        """The C step's tables for the layers' current caches; None where a cache is not one
-        the C step reads (an FP8 cache: the torch layers serve every step, logged once)."""
+    def _c_model(self, rows: int = 1) -> _Model | None:
+        """The C step's tables for the layers' current caches (with packed weights from the
+        first step of ``PANEL_MIN_ROWS`` rows on); None where a cache is not one the C step
+        reads (an FP8 cache: the torch layers serve every step, logged once)."""
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
-        if self._tables is not None and all(a is b for a, b in zip(caches, self._caches,
-                                                                   strict=True)):
+        repack = rows >= PANEL_MIN_ROWS and self._panels is None
+        if not repack and self._tables is not None and all(
+                a is b for a, b in zip(caches, self._caches, strict=True)):
             return self._tables[0]
         dtype = self.model.model.embed_tokens.weight.dtype
         if not all(c is not None and c.dtype == dtype and c[0, 0].is_contiguous()
@@ -191,6 +201,8 @@ class CpuDecodeForward:
                             "the model's dtype %s with contiguous blocks", dtype)
             self.cache_refused = True
             return None
+        if repack:
+            self._panels = [_layer_panels(layer) for layer in self.layers]
         self._caches = cast(list[torch.Tensor], caches)
         self._tables = self._build_tables(self._caches)
         return self._tables[0]
@@ -198,8 +210,10 @@ class CpuDecodeForward:
     def _build_tables(self, caches: list[torch.Tensor]) -> tuple[_Model, ctypes.Array[_Layer]]:
         inner, first = self.model.model, self.layers[0]
         dtype = inner.embed_tokens.weight.dtype
+        panels = self._panels or [[] for _ in self.layers]
         layers = (_Layer * len(self.layers))(*(
-            _layer_table(layer, cache) for layer, cache in zip(self.layers, caches, strict=True)))
+            _layer_table(layer, cache, packed)
+            for layer, cache, packed in zip(self.layers, caches, panels, strict=True)))
         attn = first.self_attn.attn
         q_norm = getattr(first.self_attn, "q_norm", None)
         cos_sin = inner.rotary_emb.cos_sin_cache  # [max_position, head_dim]
@@ -208,7 +222,7 @@ class CpuDecodeForward:
             attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1],
             caches[0].shape[2], caches[0].stride(1), cos_sin.shape[0],
             first.input_layernorm.eps, q_norm.eps if q_norm is not None else 0.0, attn.scale,
-            int(dtype == torch.bfloat16), _ptr(cos_sin), _ptr(inner.norm.weight), layers)
+            int(dtype == torch.bfloat16), PANEL_MIN_ROWS, _ptr(cos_sin), _ptr(inner.norm.weight), layers)
         return c_model, layers
 
 
@@ -221,7 +235,18 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr()
 
 
-def _layer_table(layer: LlamaDecoderLayer, cache: torch.Tensor) -> _Layer:
+def _layer_panels(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
+    """qkv, o, gate_up, down packed for panel_gemm; none where a bf16 weight has an odd k."""
+    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    if any(w.dtype == torch.bfloat16 and w.shape[1] % 2 for w in weights):
+        return []
+    return [panel_pack(w) for w in weights]
+
+
+def _layer_table(layer: LlamaDecoderLayer, cache: torch.Tensor,
+                 panels: list[torch.Tensor]) -> _Layer:
+    """One layer's addresses; ``panels``: its packed weights, or [] (NULL: none)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
@@ -232,4 +257,4 @@ def _layer_table(layer: LlamaDecoderLayer, cache: torch.Tensor) -> _Layer:
         _ptr(attn.o_proj.weight), _ptr(attn.o_proj.bias),
         _ptr(mlp.gate_up_proj.weight), _ptr(mlp.gate_up_proj.bias),
         _ptr(mlp.down_proj.weight), _ptr(mlp.down_proj.bias),
-        cache[0].data_ptr(), cache[1].data_ptr())
+        cache[0].data_ptr(), cache[1].data_ptr(), *(_ptr(p) for p in panels))

@@ -20,6 +20,7 @@ from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
 from pagedserve.model.cpu_decode import (
     MAX_FP32_ROWS,
+    PANEL_MIN_ROWS,
     CpuDecodeForward,
     load_decode_step,
     unsupported_reason,
@@ -100,6 +101,34 @@ def test_several_requests_of_different_lengths(case: str, threads: int, tmp_path
     extra = {"attention_bias": True, "mlp_bias": True} if case == "llama" else {}
     fused = _compare(_ours(case, tmp_path, **extra), PROMPTS, atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
+
+
+def _panel_prompts() -> list[list[int]]:
+    """PANEL_MIN_ROWS + 3 prompts of 1 to 11 tokens."""
+    return [PROMPTS[i % 3][: 1 + i % 11] for i in range(PANEL_MIN_ROWS + 3)]
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_batches_on_packed_weights(case: str, tmp_path) -> None:
+    """fp32, a batch large enough for the packed weights (panel_gemm.h), with every bias."""
+    torch.set_num_threads(1)
+    extra = {"attention_bias": True, "mlp_bias": True} if case == "llama" else {}
+    fused = _compare(_ours(case, tmp_path, **extra), _panel_prompts(), atol=1e-4)
+    assert fused.c_forward.c_steps == NUM_STEPS - 1
+    assert fused.c_forward._panels is not None
+
+
+def test_bf16_batches_on_packed_weights_stay_close(tmp_path) -> None:
+    """bf16 on packed weights: the first decode step's logits within 2% of their range."""
+    torch.set_num_threads(1)
+    ours, prompts = _ours("qwen2", tmp_path, dtype=torch.bfloat16), _panel_prompts()
+    want = greedy_generate(ours, prompts, 2)
+    fused = DecodeInC(ours)
+    got = greedy_generate(fused, prompts, 2)
+    assert fused.c_forward._panels is not None
+    for g, w, prompt in zip(got, want, prompts, strict=True):
+        step, ref = g.logits[len(prompt)], w.logits[len(prompt)]
+        assert (step - ref).abs().max() <= 0.02 * (ref.max() - ref.min())
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])

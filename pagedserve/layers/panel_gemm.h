@@ -1,0 +1,146 @@
+/* Matrix products of a decode step at larger batches (model/cpu_decode.c): y[m, n] = x[m, k]
+ * W^T (+ bias), fp32 sums, fp32 out, on weights packed in panels of 16 output columns.
+ *
+ * decode_gemv.h reads W in its plain [n, k] layout and sums each product along k in one
+ * vector, so every (row, column) sum ends in a horizontal add, and each step loads x again.
+ * Once a batch has a dozen rows the arithmetic, not the weight read, is the limit: here one
+ * vector load of the packed weight holds 16 columns (bf16: 16 columns x 2 consecutive k), and
+ * a broadcast of one x value (bf16: a pair) feeds it to 16 sums at once; PANEL_ROWS rows x
+ * PANEL_GROUP panels of accumulators stay in registers, no horizontal add.
+ *
+ * Layout (panel_pack in model/cpu_decode.py): n padded to a multiple of 16 with zero columns,
+ * panel p holds columns 16p..16p+15: bf16 [k/2][16][2] (k even), fp32 [k][16]. AVX512F only
+ * (with AVX512-BF16 for bf16 weights); PANEL_AVAILABLE says whether this build has it.
+ */
+#ifndef PAGEDSERVE_PANEL_GEMM_H
+#define PAGEDSERVE_PANEL_GEMM_H
+
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define PANEL_COLS 16
+#define PANEL_ROWS 8  /* rows of x per block */
+#define PANEL_GROUP 2 /* panels per block: PANEL_ROWS x PANEL_GROUP accumulators */
+
+#if defined(__AVX512F__)
+#define PANEL_F32 1
+#else
+#define PANEL_F32 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PANEL_BF16 1
+#else
+#define PANEL_BF16 0
+#endif
+
+#if PANEL_F32
+/* acc[r][g] = x[r] . columns of panel g, for r < R, g < G; xs: x's rows (fp32 [R, k] or bf16
+ * pairs), wp: the group's first panel. */
+ALWAYS_INLINE void panel_block(const float *x, const uint16_t *xb, const char *wp, int64_t k,
+                               int is_bf16, const int R, const int G,
+                               __m512 acc[PANEL_ROWS][PANEL_GROUP]) {
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
+#if PANEL_BF16
+    if (is_bf16) {
+        const int64_t panel = k * PANEL_COLS; /* bf16 elements per panel */
+        for (int64_t i = 0; i < k / 2; i++) {
+            __m512i w[PANEL_GROUP];
+            for (int g = 0; g < G; g++)
+                w[g] = _mm512_loadu_si512((const uint16_t *)wp + g * panel + i * 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                __builtin_memcpy(&pair, xb + r * k + 2 * i, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                for (int g = 0; g < G; g++)
+                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xv, (__m512bh)w[g]);
+            }
+        }
+        return;
+    }
+#endif
+    (void)xb;
+    (void)is_bf16;
+    const int64_t panel = k * PANEL_COLS; /* floats per panel */
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w[PANEL_GROUP];
+        for (int g = 0; g < G; g++) w[g] = _mm512_loadu_ps((const float *)wp + g * panel + i * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * k + i]);
+            for (int g = 0; g < G; g++) acc[r][g] = _mm512_fmadd_ps(xv, w[g], acc[r][g]);
+        }
+    }
+}
+
+/* One block: the products, then y's columns col..col+16G (masked past n) plus the bias. */
+ALWAYS_INLINE void panel_store(const __m512 acc[PANEL_ROWS][PANEL_GROUP], const void *bias,
+                               float *y, int64_t col, int64_t n, int is_bf16, const int R,
+                               const int G) {
+    for (int g = 0; g < G; g++) {
+        const int64_t c = col + g * PANEL_COLS, left = n - c;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias != NULL)
+            b = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                              _mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + c)), 16))
+                        : _mm512_maskz_loadu_ps(mask, (const float *)bias + c);
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(y + r * n + c, mask, _mm512_add_ps(acc[r][g], b));
+    }
+}
+
+/* A block of R rows x G panels; a copy per (R, G) keeps the accumulators in registers. */
+static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const void *bias,
+                       float *y, int64_t col, int64_t n, int64_t k, int is_bf16, int R, int G) {
+    __m512 acc[PANEL_ROWS][PANEL_GROUP];
+#define PANEL_RG(RR, GG)                                                   \
+    panel_block(x, xb, wp, k, is_bf16, RR, GG, acc);                       \
+    panel_store(acc, bias, y, col, n, is_bf16, RR, GG);                    \
+    return;
+#define PANEL_R(RR)                                                        \
+    case RR:                                                               \
+        if (G == 2) { PANEL_RG(RR, 2) }                                    \
+        PANEL_RG(RR, 1)
+    switch (R) {
+    PANEL_R(1) PANEL_R(2) PANEL_R(3) PANEL_R(4) PANEL_R(5) PANEL_R(6) PANEL_R(7)
+    default: PANEL_R(8)
+    }
+#undef PANEL_R
+#undef PANEL_RG
+}
+#endif
+
+/* y[m, n] = x[m, k] W^T + bias[n] (bias NULL: none, else in the weights' dtype), fp32 out. x:
+ * fp32 [m, k]; bf16 weights: xb, the same values as bf16 [m, k]. wp: W packed (above). Returns
+ * 0, or 1 where this build has no kernel for the dtype (nothing written). */
+static int panel_gemm(const float *x, const uint16_t *xb, const void *wp, const void *bias,
+                      float *y, int64_t m, int64_t n, int64_t k, int is_bf16, int num_threads) {
+    if (is_bf16 ? !PANEL_BF16 : !PANEL_F32) return 1;
+#if PANEL_F32
+    const int64_t panels = (n + PANEL_COLS - 1) / PANEL_COLS;
+    const int64_t groups = (panels + PANEL_GROUP - 1) / PANEL_GROUP;
+    const int64_t panel_bytes = k * PANEL_COLS * (is_bf16 ? 2 : 4);
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const int64_t p = gi * PANEL_GROUP;
+        const int G = panels - p < PANEL_GROUP ? (int)(panels - p) : PANEL_GROUP;
+        const char *wp_g = (const char *)wp + p * panel_bytes;
+        for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROWS) {
+            const int R = m - r0 < PANEL_ROWS ? (int)(m - r0) : PANEL_ROWS;
+            panel_rows(x + r0 * k, xb + r0 * k, wp_g, bias, y + r0 * n, p * PANEL_COLS, n, k,
+                       is_bf16, R, G);
+        }
+    }
+#else
+    (void)x, (void)xb, (void)wp, (void)bias, (void)y, (void)m, (void)n, (void)k;
+    (void)num_threads;
+#endif
+    return 0;
+}
+
+#endif

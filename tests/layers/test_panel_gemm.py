@@ -1,0 +1,53 @@
+"""``panel_gemm.h`` (through ``cpu_gemv.c``'s ``gemm_panels``) on weights packed by
+``panel_pack`` against fp32 sums."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.layers import cpu_gemv
+from pagedserve.layers.panel_pack import panel_pack
+
+
+@pytest.fixture(scope="module")
+def gemm_panels() -> ctypes._CFuncPtr:
+    linear = cpu_gemv.cpu_linear()
+    if not isinstance(linear, cpu_gemv.GemvKernel) or not linear.rows_vectorized:
+        pytest.skip("no AVX512F kernel here")
+    fn = ctypes.CDLL(str(linear.path)).gemm_panels
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def test_pack_layout() -> None:
+    w = torch.arange(20 * 4, dtype=torch.float32).view(20, 4)  # n 20: a panel and a part
+    packed = panel_pack(w)  # [2, 4, 16]
+    assert packed.shape == (2, 4, 16)
+    assert torch.equal(packed[1, :, :4], w[16:].t()) and not packed[1, :, 4:].any()
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(panel_pack(wb)[0, 1, 3], wb[3, 2:4])  # [P, k/2, 16, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 19])
+@pytest.mark.parametrize(("k", "n"), [(6, 13), (64, 40), (576, 960)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_sums(gemm_panels, dtype: torch.dtype, rows: int, k: int, n: int,
+                           with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + k + n)
+    x = torch.randn(rows, k + 2, generator=gen).to(dtype)[:, :k]  # row stride k + 2
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    packed, out = panel_pack(w), torch.empty(rows, n, dtype=dtype)
+    status = gemm_panels(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         out.data_ptr(), rows, n, k, k + 2, n, int(dtype == torch.bfloat16), 1)
+    if status == 1:
+        pytest.skip("no panel kernel for this dtype here")
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
+    torch.testing.assert_close(out, want, **tol)
