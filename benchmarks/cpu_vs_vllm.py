@@ -26,6 +26,7 @@ vLLM / pagedserve, so > 1 means pagedserve is faster everywhere).
     python benchmarks/cpu_vs_vllm.py --quick     # fewer prompts, one run each (~15 min)
     python benchmarks/cpu_vs_vllm.py             # 2 runs each, order ABBA
     python benchmarks/cpu_vs_vllm.py --workloads batch1 --dtypes bfloat16
+    python benchmarks/cpu_vs_vllm.py --quick --workloads prefill --engines pagedserve
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-folder", type=Path, default=DEFAULT_HF_FOLDER)
     p.add_argument("--workloads", default="throughput,batch1,long")
     p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--engines", default="pagedserve,vllm",
+                   help="which engines run (one alone: no ratio)")
     p.add_argument("--threads", type=int, default=0, help="0: every core this process may use")
     p.add_argument("--repeats", type=int, default=2, help="runs per engine (order ABBA...)")
     p.add_argument("--quick", action="store_true",
@@ -272,10 +275,9 @@ def run_in_child(python: str, engine: str, spec: dict[str, Any], threads: int) -
     return result
 
 
-def engine_order(repeats: int) -> list[str]:
+def engine_order(repeats: int, engines: list[str]) -> list[str]:
     """ABBA...: each engine runs first as often as the other."""
-    pair = ["pagedserve", "vllm"]
-    return [e for i in range(repeats) for e in (pair if i % 2 == 0 else pair[::-1])]
+    return [e for i in range(repeats) for e in (engines if i % 2 == 0 else engines[::-1])]
 
 
 def summary(work: Workload, dtype: str, runs: list[dict[str, Any]]) -> str:
@@ -285,6 +287,8 @@ def summary(work: Workload, dtype: str, runs: list[dict[str, Any]]) -> str:
     key = ("ms_per_token" if work.num_prompts == 1
            else "prompt_tokens_per_s" if work.output_len == 1 else "tokens_per_s")
     ours, theirs = figures("pagedserve", key), figures("vllm", key)
+    if not ours or not theirs:
+        return f"{work.name} {work.folder_name} {dtype}: {key} {ours or theirs}"
     best_ours = min(ours) if key == "ms_per_token" else max(ours)
     best_theirs = min(theirs) if key == "ms_per_token" else max(theirs)
     ratio = best_theirs / best_ours if key == "ms_per_token" else best_ours / best_theirs
@@ -302,7 +306,8 @@ def summary(work: Workload, dtype: str, runs: list[dict[str, Any]]) -> str:
 
 
 def drive(args: argparse.Namespace) -> None:
-    vllm_python = str(ensure_vllm_venv(args.vllm_venv))
+    engines = args.engines.split(",")
+    vllm_python = str(ensure_vllm_venv(args.vllm_venv)) if "vllm" in engines else ""
     ensure_hf_folder(args.hf_folder)
     threads = args.threads or len(os.sched_getaffinity(0))
     table = QUICK if args.quick else WORKLOADS
@@ -317,7 +322,7 @@ def drive(args: argparse.Namespace) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         for dtype in args.dtypes.split(","):
             runs = []
-            for engine in engine_order(repeats):
+            for engine in engine_order(repeats, args.engines.split(",")):
                 spec = {"folder": str(args.hf_folder), "dtype": dtype,
                         "workload": work.__dict__}
                 result = run_in_child(pythons[engine], engine, spec, threads)
