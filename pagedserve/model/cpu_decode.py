@@ -37,10 +37,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_FP32_ROWS = 32
-"""fp32 decode batches above this run the torch layers: from there torch's fp32 matmul outpaces
-the C step's products (at 64 requests of the default model, one thread, 386 against 434 ms a
-step; at 16, 85 against 137 ms of forward). bf16 batches of any size run in C."""
+MAX_FP32_ROWS = 128
+"""fp32 decode batches above this run the torch layers: up to here the C step on packed weights
+was measured faster than the torch layers (docs/cpu.md#c-decode-step), beyond it not measured.
+bf16 batches of any size run in C."""
 PANEL_MIN_ROWS = 8
 """Decode batches of this many requests or more multiply on weights packed in panels
 (``layers/panel_gemm.h``), packed on the first such step; smaller ones read the plain
