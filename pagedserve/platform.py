@@ -229,6 +229,19 @@ def torch_input_prep_ops() -> InputPrepOps:
     return InputPrepOps.from_module("torch", input_prep)
 
 
+def available_host_bytes() -> int:
+    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), else the
+    machine's free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -28,6 +28,7 @@ import torch
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
+from pagedserve.layers.cpu_pack_budget import pack_budget
 from pagedserve.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedserve.layers.panel_pack import panel_pack
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -202,10 +203,19 @@ class CpuDecodeForward:
             self.cache_refused = True
             return None
         if repack:
-            self._panels = [_layer_panels(layer) for layer in self.layers]
+            self._panels = self._pack_panels()
         self._caches = cast(list[torch.Tensor], caches)
         self._tables = self._build_tables(self._caches)
         return self._tables[0]
+
+    def _pack_panels(self) -> list[list[torch.Tensor]]:
+        """Every layer's panel weights, where they fit the packed-copy budget (else none: the
+        steps read the plain weights)."""
+        nbytes = sum(w.numel() * w.element_size() for layer in self.layers
+                     for w in _panel_weights(layer))
+        if not pack_budget().take(nbytes, "the decode step's panel weights"):
+            return [[] for _ in self.layers]
+        return [_layer_panels(layer) for layer in self.layers]
 
     def _build_tables(self, caches: list[torch.Tensor]) -> tuple[_Model, ctypes.Array[_Layer]]:
         inner, first = self.model.model, self.layers[0]
@@ -235,10 +245,15 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr()
 
 
+def _panel_weights(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
+    """qkv, o, gate_up, down: the weights the panels copy."""
+    return [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+
+
 def _layer_panels(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
     """qkv, o, gate_up, down packed for panel_gemm; none where a bf16 weight has an odd k."""
-    weights = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    weights = _panel_weights(layer)
     if any(w.dtype == torch.bfloat16 and w.shape[1] % 2 for w in weights):
         return []
     return [panel_pack(w) for w in weights]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import torch
@@ -29,7 +28,7 @@ from pagedserve.attention.backends.base import FP8_KV_DTYPE, UNIT_KV_SCALES
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import log_phase
 from pagedserve.math_utils import cdiv
-from pagedserve.platform import platform_for
+from pagedserve.platform import available_host_bytes, platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +40,6 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 * _GIB
 CPU_KV_SHARE_OF_AVAILABLE = 0.5
 """The default budget never takes more than this share of the memory available at start-up,
 so a small machine keeps room for the rest of its work."""
-
-
-def available_host_bytes() -> int:
-    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), else the
-    machine's free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cpu_kv_budget(kv_cache_memory: int | None) -> int:

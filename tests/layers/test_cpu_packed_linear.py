@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers import cpu_gemv
+from pagedserve.layers.cpu_pack_budget import PackBudget
 from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
@@ -65,3 +66,15 @@ def test_cpu_linear_sends_many_fp32_rows_to_it() -> None:
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
     if isinstance(linear, cpu_gemv.GemvKernel):
         assert isinstance(linear.large, PackedLinear)
+
+
+def test_a_weight_over_the_budget_runs_f_linear() -> None:
+    budget = PackBudget(lambda: 8 * 32 * 4, share=1.0)  # room for one [8, 32] fp32 copy
+    linear = PackedLinear(budget=budget)
+    x, w1, w2 = torch.randn(16, 32), torch.randn(8, 32), torch.randn(8, 32)
+    with torch.inference_mode():
+        assert linear.packed(w1) is not None
+        assert linear.packed(w2) is None
+        torch.testing.assert_close(linear(x, w2, None), F.linear(x, w2), atol=1e-4, rtol=1e-5)
+        del w1  # its copy's bytes come back
+        assert linear.packed(w2) is not None

@@ -16,8 +16,10 @@ from torch import nn
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.layer import attention_layers, bind_kv_caches
 from pagedserve.distributed.parallel_state import SINGLE_RANK
+from pagedserve.layers.cpu_pack_budget import PackBudget
 from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
+from pagedserve.model import cpu_decode
 from pagedserve.model.cpu_decode import (
     MAX_FP32_ROWS,
     PANEL_MIN_ROWS,
@@ -116,6 +118,15 @@ def test_batches_on_packed_weights(case: str, tmp_path) -> None:
     fused = _compare(_ours(case, tmp_path, **extra), _panel_prompts(), atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
     assert fused.c_forward._panels is not None
+
+
+def test_batches_without_room_for_packed_weights_read_the_plain_ones(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    monkeypatch.setattr(cpu_decode, "pack_budget", lambda: PackBudget(lambda: 0))
+    fused = _compare(_ours("llama", tmp_path), _panel_prompts(), atol=1e-4)
+    assert fused.c_forward.c_steps == NUM_STEPS - 1
+    assert fused.c_forward._panels is not None and not any(fused.c_forward._panels)
 
 
 def test_bf16_batches_on_packed_weights_stay_close(tmp_path) -> None:
