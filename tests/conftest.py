@@ -54,6 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)  # one core per worker: two workers share two cores
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist may not be installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile``, longest unit first; other modes are left to xdist."""
     if config.getoption("dist") != "loadfile":
