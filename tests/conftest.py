@@ -54,6 +54,15 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)  # one core per worker: two workers share two cores
 
 
+@pytest.fixture(autouse=True)
+def _seed_torch() -> None:
+    """Each test starts from the same torch random state, whichever tests ran before it in its
+    process (a worker is handed files in an order that changes from run to run)."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist may not be installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile``, longest unit first; other modes are left to xdist."""
