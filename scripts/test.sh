@@ -11,7 +11,11 @@ fi
 .venv/bin/python -m ruff check pagedserve tests benchmarks
 .venv/bin/python -m mypy
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider)
+# pytest keeps its assertion-rewritten modules only where bytecode may be written: without
+# that, each of the three pytest processes below rewrites every test module and plugin again.
+unset PYTHONDONTWRITEBYTECODE
+# anyio's and schemathesis' pytest plugins are unused (the fuzz test calls schemathesis itself).
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider -p no:anyio -p no:schemathesis)
 # Arguments: one plain pytest run of them (a file, -k, -m serial, -n 2 --dist loadfile...).
 if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"

@@ -6,7 +6,7 @@ runs on one worker, so a module's fixtures (engines, servers) are built once. Fi
 out longest first (by ``file_durations.json``, seconds measured on a parallel run), so that a
 long file does not start last while the other worker idles. The reliability tests form one
 unit: their session fixture starts every server that the collected tests ask for, which must
-happen on one worker only.
+happen on one worker only. So do the OpenAI server tests, whose shared server then starts once.
 
 ``--durations N`` also prints the N slowest files; ``--save-file-durations PATH`` writes every
 file's seconds as JSON (the format of ``file_durations.json``).
@@ -25,7 +25,7 @@ import pytest
 DURATIONS_FILE = Path(__file__).with_name("file_durations.json")
 DEFAULT_SECONDS = 5.0
 """The guess for a file that ``file_durations.json`` does not list."""
-GROUPED_FOLDERS = ("tests/reliability/",)
+GROUPED_FOLDERS = ("tests/reliability/", "tests/entrypoints/openai/")
 """Folders whose test files run on one worker, together."""
 
 
