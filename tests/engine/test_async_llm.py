@@ -136,6 +136,7 @@ def test_stop_string_finishes_the_request_in_the_core(tokenizer, tmp_path: Path)
     asyncio.run(run())
 
 
+@pytest.mark.serial  # idle within 2 s
 def test_closing_the_stream_aborts_at_once(tokenizer, tmp_path: Path) -> None:
     observer = RecordingObserver()
 
@@ -159,6 +160,7 @@ def test_closing_the_stream_aborts_at_once(tokenizer, tmp_path: Path) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.serial  # failed within 2 s
 def test_engine_death_fails_in_flight_requests(tokenizer, tmp_path: Path) -> None:
     async def run() -> None:
         engine = _engine(tokenizer, tmp_path)
@@ -217,6 +219,7 @@ def test_validation_errors_name_the_field(tokenizer, tmp_path: Path) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.serial  # timed against a 0.5 s engine timeout
 def test_hung_engine_is_declared_dead(tokenizer, tmp_path: Path) -> None:
     """SIGSTOP the engine mid-request: after ``engine_timeout`` without a step the request
     ends with EngineDeadError, the engine process is killed and the gauges read 0."""

@@ -69,6 +69,7 @@ def test_requests_round_trip() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.serial  # idle within 2 s
 def test_abort_frees_at_once_and_queue_times_are_reported() -> None:
     async def run() -> None:
         client = EngineCoreClient(EngineConfig(), FakeCore)
@@ -114,6 +115,7 @@ def test_refused_request_ends_aborted_and_engine_keeps_serving() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.serial  # noticed within 2 s
 def test_sigkill_is_noticed_at_once() -> None:
     async def run() -> None:
         client = EngineCoreClient(EngineConfig(), FakeCore)

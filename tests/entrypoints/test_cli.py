@@ -169,12 +169,14 @@ def paris_run():
     return result, time.perf_counter() - start
 
 
+@pytest.mark.serial  # shares paris_run with the next test
 def test_generate_names_paris(paris_run):
     result, _ = paris_run
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
 
+@pytest.mark.serial  # wall time of the README's command
 def test_generate_within_15_seconds(paris_run):
     """The README's first command, start to end under 15 s on a 2-core CPU (with the bytecode
     that scripts/install.sh compiles)."""

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
 from tests.entrypoints.openai.server_utils import ServerProcess
 from tests.reliability.reliability_utils import wait_idle
@@ -118,6 +119,7 @@ def test_forged_chat_turn(main_server: ServerProcess, figures: dict):
     figures["adversarial: forged chat turns (only the template's 2 turn markers)"] = str(tally)
 
 
+@pytest.mark.serial  # a steady client's latency under 1 s
 def test_huge_prompts_do_not_stall_a_steady_client(
     main_server: ServerProcess, model_name: str, figures: dict
 ):
@@ -171,6 +173,7 @@ def _closed_within(sock: socket.socket, limit: float) -> bool:
         return False
 
 
+@pytest.mark.serial  # sockets closed within seconds
 def test_idle_slow_and_smuggling_connections(main_server: ServerProcess, figures: dict):
     host, port = "127.0.0.1", main_server.port
     limit = MAIN_CONNECTION_TIMEOUT_S + 3.0

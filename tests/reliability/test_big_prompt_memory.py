@@ -3,8 +3,12 @@ character count, leave its resident memory where the first few left it."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.entrypoints.openai.server_utils import ServerProcess
 from tests.reliability.big_prompt_memory import HUGE_PROMPT, rss_trace
+
+pytestmark = pytest.mark.serial  # resident memory of the API process
 
 WARMUP_REQUESTS = 10
 REQUESTS = 30

@@ -12,6 +12,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests.entrypoints.openai.server_utils import ServerProcess, metric_value
 from tests.reliability.reliability_utils import (
@@ -22,6 +23,8 @@ from tests.reliability.reliability_utils import (
     stream_sse,
 )
 from tests.reliability.server_configs import HANG_ENGINE_TIMEOUT_S
+
+pytestmark = pytest.mark.serial  # requests must end within seconds of the fault
 
 LONG = 3000
 """Tokens of a request that runs far longer than the test."""

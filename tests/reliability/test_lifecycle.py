@@ -22,6 +22,8 @@ from tests.reliability.reliability_utils import (
 )
 from tests.reliability.server_configs import LIFECYCLE_MAX_MODEL_LEN, SHUTDOWN_TIMEOUT_S
 
+pytestmark = pytest.mark.serial  # SIGTERM and timeouts, timed against the wall clock
+
 LONG = LIFECYCLE_MAX_MODEL_LEN - 16
 """A request that outlives the module."""
 SHORT = 8

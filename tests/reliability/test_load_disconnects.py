@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
 from tests.entrypoints.openai.server_utils import ServerProcess
 from tests.reliability.reliability_utils import (
@@ -22,6 +23,8 @@ from tests.reliability.reliability_utils import (
     stream_sse,
     wait_idle,
 )
+
+pytestmark = pytest.mark.serial  # resident memory before and after the load
 
 NUM_CLIENTS = 200
 LEAVING_FRACTION = 0.3

@@ -22,10 +22,24 @@ SHARED_SERVER_MAX_CONNECTIONS = 100
 """The shared server's --max-connections: above any test's concurrency."""
 
 
+_given_ports: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, which the caller binds later (a server starting takes seconds).
+
+    Not one this process gave before, whose server may not have bound it yet; and under
+    pytest-xdist, one of this worker's share, so that two workers never pick the same port:
+    ``port // 2`` modulo the workers is the worker's index (Linux gives ``bind`` odd ports)."""
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port // 2 % workers == index and port not in _given_ports:
+            _given_ports.add(port)
+            return port
 
 
 class ServerProcess:

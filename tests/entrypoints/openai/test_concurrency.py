@@ -7,6 +7,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.entrypoints.openai.server_utils import (
     API_KEY,
@@ -77,6 +78,7 @@ def test_32_concurrent_streams_each_get_their_own_text(
     _wait_idle(server, timeout=5.0)
 
 
+@pytest.mark.serial  # idle within 2 s
 def test_stream_disconnect_aborts_within_2s(server: ServerProcess, model_name: str) -> None:
     body = {
         "model": model_name,
@@ -104,6 +106,7 @@ def test_stream_disconnect_aborts_within_2s(server: ServerProcess, model_name: s
     assert _wait_idle(server, timeout=2.0) < 2.0
 
 
+@pytest.mark.serial  # idle within 2 s
 def test_non_streaming_disconnect_aborts_within_2s(server: ServerProcess, model_name: str) -> None:
     body = {"model": model_name, "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True}
 

@@ -19,6 +19,8 @@ from tests.entrypoints.openai.server_utils import ServerProcess, metric_value
 RUNNING = "pagedserve:num_requests_running"
 KV_USAGE = "pagedserve:kv_cache_usage_perc"
 
+pytestmark = pytest.mark.serial  # seconds to fail requests and to exit on SIGTERM
+
 
 @pytest.fixture(scope="module")
 def own_server(

@@ -91,6 +91,7 @@ def _request(body: bytes = b"{}", extra: bytes = b"") -> bytes:
             + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
 
+@pytest.mark.serial  # sleeps just under the header timeout
 def test_keep_alive_requests_are_served(port):
     with _connect(port) as sock:
         for _ in range(2):
@@ -102,6 +103,7 @@ def test_keep_alive_requests_are_served(port):
             time.sleep(TIMEOUT_S * 0.6)  # twice, longer than the header timeout in total
 
 
+@pytest.mark.serial  # timed against the header timeout
 def test_idle_connection_is_closed(port):
     with _connect(port) as sock:
         start = time.monotonic()
@@ -109,6 +111,7 @@ def test_idle_connection_is_closed(port):
         assert TIMEOUT_S * 0.9 < time.monotonic() - start < WAIT_S
 
 
+@pytest.mark.serial  # timed against the header timeout
 def test_trickled_headers_are_cut(port):
     with _connect(port) as sock:
         start = time.monotonic()
@@ -119,6 +122,7 @@ def test_trickled_headers_are_cut(port):
         assert time.monotonic() - start < WAIT_S
 
 
+@pytest.mark.serial  # timed against the body timeout
 def test_stalled_body_is_a_408_and_closed(port):
     with _connect(port) as sock:
         sock.sendall(_request(b"x" * 100)[:-90])

@@ -55,6 +55,7 @@ async def _send_big_prompts(url: str, model: str) -> list[dict]:
     return [_error(r, 400) for r in responses]
 
 
+@pytest.mark.serial  # a probe's latency under 1 s
 def test_big_prompts_do_not_stall_other_requests(server: ServerProcess, model_name: str):
     async def run() -> tuple[list[float], list[dict]]:
         stop = asyncio.Event()

@@ -9,6 +9,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+import pytest
 from playwright.sync_api import Page, expect
 
 from tests.entrypoints.openai.server_utils import ServerProcess, metric_value
@@ -83,6 +84,7 @@ def test_settings_go_into_the_request_and_are_kept(page: Page, open_server: Serv
     expect(page.locator("#ignore-eos")).to_be_checked()
 
 
+@pytest.mark.serial  # aborted within 2 s
 def test_stop_generating_aborts_the_request(page: Page, open_server: ServerProcess) -> None:
     url = open_server.url
     chat = ChatPage(page, url).open()

@@ -53,7 +53,10 @@ def _fp8(w: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def test_quantize_rows_scales_each_row_to_the_fp8_range() -> None:
-    t = torch.randn(5, 32) * torch.tensor([[1e-3], [1.0], [30.0], [0.0], [1e4]])
+    # Seeded here: a 1e-3 row whose largest value falls below 1.95e-3 (one draw in six of the
+    # global generator, whose state depends on the tests run before) gets MIN_SCALE, not 448.
+    values = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    t = values * torch.tensor([[1e-3], [1.0], [30.0], [0.0], [1e4]])
     q, scale = quantize_rows(t)
     assert q.dtype == FP8_DTYPE and scale.dtype == F32 and scale.shape == (5,)
     assert scale[3] == MIN_SCALE and torch.all(q[3].float() == 0)  # an all-zero row
