@@ -9,7 +9,9 @@ unit: their session fixture starts every server that the collected tests ask for
 happen on one worker only. So do the OpenAI server tests, whose shared server then starts once.
 
 ``--durations N`` also prints the N slowest files; ``--save-file-durations PATH`` writes every
-file's seconds as JSON (the format of ``file_durations.json``).
+file's seconds as JSON, the format of ``file_durations.json``, which a parallel pass refreshes:
+``bash scripts/test.sh -n 2 --dist loadfile -m "not serial" --save-file-durations
+tests/file_durations.json``.
 """
 
 from __future__ import annotations
