@@ -2,8 +2,8 @@
 
 On CUDA the split, SiLU and product run as one Triton kernel (``kernels/silu_and_mul.py``),
 behind the opaque op ``pagedserve::silu_and_mul`` when compiled; it is faster than Inductor's
-kernel of the same torch code (docs/gpu.md, "Fused kernels"). The torch code below is the
-CPU's implementation and the reference.
+kernel of the same torch code (docs/gpu.md, "Fused kernels"). On the CPU, eager, a C kernel
+does the same in one pass (``cpu_rows.py``); the torch code below is the reference.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.cpu_rows import silu_and_mul_rows
 from pagedserve.platform import platform_for
 
 
@@ -24,12 +25,17 @@ class SiluAndMul(nn.Module):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.uses_kernel = platform_for(device).has_triton_kernels()
+        self.on_cpu = torch.device(device).type == "cpu"  # the C kernel of layers/cpu_rows.c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_kernel and x.dim() == 2:
             if torch.compiler.is_compiling():
                 return torch.ops.pagedserve.silu_and_mul(x)
             return _kernel()(x)
+        if self.on_cpu:
+            out = silu_and_mul_rows(x)
+            if out is not None:
+                return out
         return silu_and_mul_torch(x)
 
 

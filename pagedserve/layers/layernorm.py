@@ -7,7 +7,8 @@ sublayer output ``x`` to ``residual`` in fp32, returns the normalized sum and th
 
 On CUDA the add and the norm run as one Triton kernel (``kernels/rms_norm.py``), behind the
 opaque op ``pagedserve::fused_add_rms_norm`` when compiled (Inductor would otherwise split them
-into three kernels); on the CPU the torch code below is the implementation and the reference.
+into three kernels); on the CPU, eager, a C kernel does both in one pass (``cpu_rows.py``). The
+torch code below is the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedserve.layers.cpu_rows import add_rms_norm_rows
 from pagedserve.layers.linear import copy_shard, new_parameter
 from pagedserve.platform import platform_for
 
@@ -30,6 +32,7 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.uses_kernel = platform_for(device).has_triton_kernels()
+        self.on_cpu = torch.device(device).type == "cpu"  # the C kernel of layers/cpu_rows.c
         self.weight = new_parameter((hidden_size,), dtype, device, self.weight_loader)
         with torch.no_grad():
             self.weight.fill_(1.0)
@@ -45,6 +48,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` [..., hidden] -> normed, or (normed, x + residual) when a residual is given."""
+        if self.on_cpu:
+            rows = add_rms_norm_rows(x, residual, self.weight, self.eps)
+            if rows is not None:
+                return rows[0] if rows[1] is None else (rows[0], rows[1])
         if residual is None:
             return _normalize(x.float(), self.weight, self.eps, x.dtype)
         if self.uses_kernel and kernel_applies(x, residual, self.weight):

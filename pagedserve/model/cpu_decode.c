@@ -28,6 +28,7 @@
 #include "decode_gemv.h"
 #include "panel_gemm.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 
 typedef struct {
     const void *input_norm, *post_norm;   /* [hidden] */
@@ -60,31 +61,9 @@ typedef struct {
     int64_t *rows;             /* [m]: 0..m-1 */
 } Scratch;
 
-ALWAYS_INLINE float rnd(float x, int is_bf16) { return is_bf16 ? round_bf16(x) : x; }
-
-static float load(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static void store(void *p, int64_t i, float x, int is_bf16) {
-    if (is_bf16) ((uint16_t *)p)[i] = float_to_bf16(x);
-    else ((float *)p)[i] = x;
-}
-
 static void round_all(float *x, int64_t n, int is_bf16) {
     if (is_bf16)
         for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
-}
-
-/* out[0:n] = w * (x / rms(x)), as RMSNorm's torch code rounds it: the normalized row in the
- * dtype, then the product with the weight. x: the fp32 row (a sum not yet rounded). */
-static void rms_norm(const float *x, const void *w, float eps, int64_t n, float *out,
-                     int is_bf16) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) out[i] = rnd(load(w, i, is_bf16) * rnd(x[i] * inv, is_bf16), is_bf16);
 }
 
 /* Each row: y += res (fp32, the sum); res = y in the dtype; normed = RMSNorm(y). */
@@ -109,22 +88,6 @@ static void linear(const DecodeModel *md, const float *x, const void *w, const v
         || panel_gemm(x, s->xb, panels, bias, y, m, n, k, md->is_bf16, num_threads) != 0)
         decode_gemv(x, s->xb, w, bias, y, m, n, k, md->is_bf16, num_threads);
     round_all(y, m * n, md->is_bf16);
-}
-
-/* Neox rotary embedding of `heads` heads of x [heads, D] in place, as rotate_neox rounds. */
-static void rotate(float *x, int64_t heads, int64_t dim, const void *cos_sin, int64_t pos,
-                   int is_bf16) {
-    const int64_t half = dim / 2;
-    for (int64_t hd = 0; hd < heads; hd++) {
-        float *v = x + hd * dim;
-        for (int64_t i = 0; i < half; i++) {
-            const float c = load(cos_sin, pos * dim + i, is_bf16);
-            const float sn = load(cos_sin, pos * dim + half + i, is_bf16);
-            const float x1 = v[i], x2 = v[half + i];
-            v[i] = rnd(rnd(x1 * c, is_bf16) - rnd(x2 * sn, is_bf16), is_bf16);
-            v[half + i] = rnd(rnd(x2 * c, is_bf16) + rnd(x1 * sn, is_bf16), is_bf16);
-        }
-    }
 }
 
 /* q/k norms (Qwen3), rotary embedding, the cache write and the attention kernel's query, for
@@ -177,11 +140,8 @@ static int layer_step(const DecodeModel *md, const DecodeLayer *L, int64_t m,
     linear(md, s->normed, L->gate_up, L->gate_up_panels, L->gate_up_bias, s->gate_up, m,
            2 * inter, h, s, threads);
     for (int64_t r = 0; r < m; r++) {
-        const float *g = s->gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float silu = rnd(g[i] / (1.0f + expf(-g[i])), bf);
-            s->act[r * inter + i] = rnd(silu * u[i], bf);
-        }
+        const float *g = s->gate_up + r * 2 * inter;
+        silu_mul(g, g + inter, s->act + r * inter, inter, bf);
     }
     linear(md, s->act, L->down, L->down_panels, L->down_bias, s->y, m, h, inter, s, threads);
     return 0;

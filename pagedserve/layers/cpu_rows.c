@@ -1,0 +1,133 @@
+/* Row-wise kernels of the torch layers on the CPU, for steps of many rows (prompts): RMSNorm
+ * with the residual add, SiLU-and-mul, and the rotary embedding with the KV-cache write. Each
+ * is one pass over its rows where the torch code is several ops, each a pass with a cast; they
+ * round as the torch code does (row_ops.h, shared with the decode step in model/cpu_decode.c).
+ *
+ * Tensors are bf16 or fp32 (`is_bf16`), all of one dtype; rows may be strided (a given row
+ * stride, in elements), each row contiguous. Rows are split over `num_threads` threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+#include "row_ops.h"
+
+/* Row r of x widened to fp32. */
+ALWAYS_INLINE void widen(const void *x, int64_t at, float *dst, int64_t n, int is_bf16) {
+    for (int64_t i = 0; i < n; i++) dst[i] = load(x, at + i, is_bf16);
+}
+
+ALWAYS_INLINE void narrow(void *y, int64_t at, const float *src, int64_t n, int is_bf16) {
+    for (int64_t i = 0; i < n; i++) store(y, at + i, src[i], is_bf16);
+}
+
+ALWAYS_INLINE void norm_row(const void *x, const void *residual, const void *w, float eps,
+                            void *out, void *sum_out, int64_t r, int64_t n, float *buf,
+                            int is_bf16) {
+    float *sum = buf, *normed = buf + n;
+    widen(x, r * n, sum, n, is_bf16);
+    if (residual != NULL) {
+        for (int64_t i = 0; i < n; i++) sum[i] += load(residual, r * n + i, is_bf16);
+        narrow(sum_out, r * n, sum, n, is_bf16);
+    }
+    rms_norm(sum, w, eps, n, normed, is_bf16);
+    narrow(out, r * n, normed, n, is_bf16);
+}
+
+/* out = RMSNorm(x + residual) and sum_out = x + residual (residual NULL: out = RMSNorm(x),
+ * sum_out unused); x, residual, out, sum_out [m, n] contiguous, w [n]. 1: no memory. */
+int add_rms_norm_rows(const void *x, const void *residual, const void *w, float eps, void *out,
+                      void *sum_out, int64_t m, int64_t n, int is_bf16, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *buf = malloc((size_t)(2 * n) * sizeof(float)); /* fp32 [2, n] */
+        if (buf == NULL) failed = 1;
+        else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                if (is_bf16) norm_row(x, residual, w, eps, out, sum_out, r, n, buf, 1);
+                else norm_row(x, residual, w, eps, out, sum_out, r, n, buf, 0);
+            }
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+ALWAYS_INLINE void silu_row(const void *x, int64_t x_stride, void *out, int64_t r, int64_t d,
+                            float *buf, int is_bf16) {
+    float *gate = buf, *up = buf + d, *act = buf + 2 * d;
+    widen(x, r * x_stride, gate, d, is_bf16);
+    widen(x, r * x_stride + d, up, d, is_bf16);
+    silu_mul(gate, up, act, d, is_bf16);
+    narrow(out, r * d, act, d, is_bf16);
+}
+
+/* out [m, d] = silu(x[:, :d]) * x[:, d:]; x [m, 2 d] with row stride x_stride. 1: no memory. */
+int silu_and_mul_rows(const void *x, int64_t x_stride, void *out, int64_t m, int64_t d,
+                      int is_bf16, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *buf = malloc((size_t)(3 * d) * sizeof(float)); /* fp32 [3, d] */
+        if (buf == NULL) failed = 1;
+        else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                if (is_bf16) silu_row(x, x_stride, out, r, d, buf, 1);
+                else silu_row(x, x_stride, out, r, d, buf, 0);
+            }
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+typedef struct {
+    const void *query, *key, *value; /* [m, Hq D], [m, Hkv D], [m, Hkv D]: row strides below */
+    const void *cos_sin;             /* [m, D]: each row's cos half | sin half */
+    const int64_t *slots;            /* [m]; -1: no cache write */
+    void *query_out;                 /* [m, Hq D] contiguous: the rotated queries */
+    void *key_cache, *value_cache;   /* blocks of [block_size, Hkv, D], block stride below */
+    int64_t m, num_heads, num_kv_heads, head_dim, block_size, cache_block_stride;
+    int64_t query_stride, key_stride, value_stride;
+} RopeRows;
+
+ALWAYS_INLINE void rope_row(const RopeRows *a, int64_t r, float *buf, int is_bf16) {
+    const int64_t d = a->head_dim, hq = a->num_heads * d, hkv = a->num_kv_heads * d;
+    float *q = buf, *k = buf + hq;
+    widen(a->query, r * a->query_stride, q, hq, is_bf16);
+    rotate(q, a->num_heads, d, a->cos_sin, r, is_bf16);
+    narrow(a->query_out, r * hq, q, hq, is_bf16);
+    const int64_t slot = a->slots[r];
+    if (slot < 0) return;
+    widen(a->key, r * a->key_stride, k, hkv, is_bf16);
+    rotate(k, a->num_kv_heads, d, a->cos_sin, r, is_bf16);
+    const int64_t at = (slot / a->block_size) * a->cache_block_stride + (slot % a->block_size) * hkv;
+    narrow(a->key_cache, at, k, hkv, is_bf16);
+    const int64_t width = is_bf16 ? 2 : 4;
+    memcpy((char *)a->value_cache + at * width, (const char *)a->value + r * a->value_stride * width,
+           (size_t)(hkv * width));
+}
+
+/* The rotary embedding of each row's query and key; the rotated keys and the values written to
+ * the cache at the row's slot. 1: no memory. */
+int rope_write_kv_rows(const RopeRows *a, int is_bf16, int num_threads) {
+    int failed = 0;
+    const int64_t width = (a->num_heads + a->num_kv_heads) * a->head_dim;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *buf = malloc((size_t)width * sizeof(float)); /* fp32 [Hq D + Hkv D] */
+        if (buf == NULL) failed = 1;
+        else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < a->m; r++) {
+                if (is_bf16) rope_row(a, r, buf, 1);
+                else rope_row(a, r, buf, 0);
+            }
+        }
+        free(buf);
+    }
+    return failed;
+}

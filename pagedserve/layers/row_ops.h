@@ -1,0 +1,67 @@
+/* Row operations of a decoder layer, shared by the decode step (model/cpu_decode.c) and the
+ * many-row kernels of prompts (layers/cpu_rows.c): RMSNorm, neox rotary embedding,
+ * SiLU-and-mul. Each rounds as the torch layers do (layers/layernorm.py, rotary.py,
+ * activation.py): fp32 arithmetic, the result of every torch op rounded to the model's dtype
+ * (bf16 or fp32: `is_bf16`).
+ *
+ * Everything here is static: each library that includes it gets its own copy.
+ */
+#ifndef PAGEDSERVE_ROW_OPS_H
+#define PAGEDSERVE_ROW_OPS_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+ALWAYS_INLINE float rnd(float x, int is_bf16) { return is_bf16 ? round_bf16(x) : x; }
+
+ALWAYS_INLINE float load(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+ALWAYS_INLINE void store(void *p, int64_t i, float x, int is_bf16) {
+    if (is_bf16) ((uint16_t *)p)[i] = float_to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* out[0:n] = w * (x / rms(x)), as RMSNorm's torch code rounds it: the normalized row in the
+ * dtype, then the product with the weight. x: the fp32 row (a sum not yet rounded). */
+static inline void rms_norm(const float *x, const void *w, float eps, int64_t n, float *out,
+                            int is_bf16) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = rnd(load(w, i, is_bf16) * rnd(x[i] * inv, is_bf16), is_bf16);
+}
+
+/* Neox rotary embedding of `heads` heads of x [heads, D] in place, as rotate_neox rounds;
+ * cos_sin [max_position, D] (cos half | sin half) in the dtype. */
+static inline void rotate(float *x, int64_t heads, int64_t dim, const void *cos_sin,
+                          int64_t pos, int is_bf16) {
+    const int64_t half = dim / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        float *v = x + hd * dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float c = load(cos_sin, pos * dim + i, is_bf16);
+            const float sn = load(cos_sin, pos * dim + half + i, is_bf16);
+            const float x1 = v[i], x2 = v[half + i];
+            v[i] = rnd(rnd(x1 * c, is_bf16) - rnd(x2 * sn, is_bf16), is_bf16);
+            v[half + i] = rnd(rnd(x2 * c, is_bf16) + rnd(x1 * sn, is_bf16), is_bf16);
+        }
+    }
+}
+
+/* act[0:n] = silu(gate) * up, each op's result rounded to the dtype; gate, up fp32 [n]. */
+static inline void silu_mul(const float *gate, const float *up, float *act, int64_t n,
+                            int is_bf16) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float silu = rnd(gate[i] / (1.0f + expf(-gate[i])), is_bf16);
+        act[i] = rnd(silu * up[i], is_bf16);
+    }
+}
+
+#endif

@@ -1,0 +1,98 @@
+"""The CPU's row kernels (layers/cpu_rows.c) against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from pagedserve.layers import cpu_rows
+from pagedserve.layers.activation import SiluAndMul, silu_and_mul_torch
+from pagedserve.layers.layernorm import RMSNorm, _normalize, add_rms_norm_torch
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """fp32: equal up to the sum order; bf16: at most one rounding step apart."""
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+        assert (a != b).float().mean() < 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if cpu_rows._library() is None:
+        pytest.skip("no C compiler")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_add_rms_norm(dtype: torch.dtype, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x, residual = torch.randn(37, 96).to(dtype), (torch.randn(37, 96) * 10).to(dtype)
+    weight = torch.randn(96).to(dtype)
+    rows = cpu_rows.add_rms_norm_rows(x, residual, weight, 1e-6)
+    assert rows is not None and rows[1] is not None
+    normed, summed = add_rms_norm_torch(x, residual, weight, 1e-6)
+    _close(rows[0], normed)
+    assert torch.equal(rows[1], summed)
+    plain = cpu_rows.add_rms_norm_rows(x, None, weight, 1e-6)
+    assert plain is not None and plain[1] is None
+    _close(plain[0], _normalize(x.float(), weight, 1e-6, dtype))
+
+
+def test_rmsnorm_module_uses_the_kernel_and_falls_back() -> None:
+    norm = RMSNorm(64, 1e-5, torch.float32, torch.device("cpu"))
+    x = torch.randn(4, 64)
+    assert isinstance(norm(x), torch.Tensor)
+    out, res = norm(x, x)
+    torch.testing.assert_close(res, 2 * x)
+    strided = torch.randn(4, 128)[:, :64]  # not contiguous: the torch code
+    assert cpu_rows.add_rms_norm_rows(strided, None, norm.weight, 1e-5) is None
+    torch.testing.assert_close(norm(strided), _normalize(strided, norm.weight, 1e-5, x.dtype))
+    half = torch.randn(4, 64).half()
+    assert cpu_rows.add_rms_norm_rows(half, None, norm.weight.half(), 1e-5) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_on_strided_rows(dtype: torch.dtype) -> None:
+    x = (torch.randn(19, 2 * 80 + 16) * 4).to(dtype)[:, : 2 * 80]  # row stride 176
+    out = cpu_rows.silu_and_mul_rows(x)
+    assert out is not None
+    _close(out, silu_and_mul_torch(x))
+    _close(SiluAndMul(torch.device("cpu"))(x), silu_and_mul_torch(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_rope_and_kv_write(dtype: torch.dtype, block_size: int) -> None:
+    """Slots across block boundaries, in any order; -1 writes nothing; q/k/v split from one
+    qkv row as the attention layer hands them over."""
+    m, hq, hkv, d = 23, 4, 2, 32
+    num_blocks = 48 // block_size + 1
+    qkv = torch.randn(m, (hq + 2 * hkv) * d).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    cos_sin = torch.randn(m, d).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:m]
+    slots[3] = -1
+    ours = torch.zeros(2, num_blocks, block_size, hkv, d, dtype=dtype)
+    ref = ours.clone()
+    rotated = cpu_rows.rope_and_write_kv_rows(q, k, v, cos_sin, ours, slots)
+    assert rotated is not None
+    expected = TorchRefBackend().rope_and_write_kv(q, k, v, cos_sin, ref, slots)
+    torch.testing.assert_close(rotated, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_rope_refuses_a_slot_past_the_cache() -> None:
+    q, k, v = torch.randn(2, 64), torch.randn(2, 32), torch.randn(2, 32)
+    cache = torch.zeros(2, 1, 4, 1, 32)
+    with pytest.raises(ValueError, match="slot"):
+        cpu_rows.rope_and_write_kv_rows(q, k, v, torch.randn(2, 32), cache,
+                                        torch.tensor([0, 4]))
+    fp16 = cpu_rows.rope_and_write_kv_rows(q.half(), k.half(), v.half(), torch.randn(2, 32).half(),
+                                           cache.half(), torch.tensor([0, 1]))
+    assert fp16 is None
