@@ -403,13 +403,17 @@ class CpuPlatform(Platform):
         return torch_input_prep_ops()
 
     def attention_backend(self) -> AttentionBackend:
-        """The native decode kernel when a C compiler can build it, else the torch reference."""
+        """The native decode and prefill kernels when a C compiler can build them, else the
+        torch reference."""
         from pagedserve.attention.backends.cpu import CpuBackend
         from pagedserve.attention.backends.cpu_native import load_paged_decode_kernel
+        from pagedserve.attention.backends.cpu_native.prefill import load_paged_prefill_kernel
         from pagedserve.attention.backends.torch_ref import TorchRefBackend
 
         kernel = load_paged_decode_kernel()
-        return TorchRefBackend() if kernel is None else CpuBackend(kernel)
+        if kernel is None:
+            return TorchRefBackend()
+        return CpuBackend(kernel, load_paged_prefill_kernel())
 
     def token_sampler(self, vocab_size: int) -> TokenSampler:
         from pagedserve.sample.token_sampler import TorchTokenSampler
