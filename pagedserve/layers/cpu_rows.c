@@ -14,10 +14,12 @@
 
 /* Row r of x widened to fp32. */
 ALWAYS_INLINE void widen(const void *x, int64_t at, float *dst, int64_t n, int is_bf16) {
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) dst[i] = load(x, at + i, is_bf16);
 }
 
 ALWAYS_INLINE void narrow(void *y, int64_t at, const float *src, int64_t n, int is_bf16) {
+#pragma omp simd
     for (int64_t i = 0; i < n; i++) store(y, at + i, src[i], is_bf16);
 }
 
@@ -27,6 +29,7 @@ ALWAYS_INLINE void norm_row(const void *x, const void *residual, const void *w, 
     float *sum = buf, *normed = buf + n;
     widen(x, r * n, sum, n, is_bf16);
     if (residual != NULL) {
+#pragma omp simd
         for (int64_t i = 0; i < n; i++) sum[i] += load(residual, r * n + i, is_bf16);
         narrow(sum_out, r * n, sum, n, is_bf16);
     }

@@ -11,17 +11,33 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 
-ALWAYS_INLINE float rnd(float x, int is_bf16) { return is_bf16 ? round_bf16(x) : x; }
+/* The bits of x rounded to the nearest bf16 (ties to even), in the top half: float_to_bf16
+ * without its NaN branch, so that loops of it vectorize (every NaN of the model's tensors
+ * keeps a top-half payload, which the rounding leaves a NaN). */
+ALWAYS_INLINE uint32_t bf16_bits(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+}
+
+ALWAYS_INLINE float rnd(float x, int is_bf16) {
+    if (!is_bf16) return x;
+    const uint32_t b = bf16_bits(x);
+    float r;
+    memcpy(&r, &b, sizeof r);
+    return r;
+}
 
 ALWAYS_INLINE float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 ALWAYS_INLINE void store(void *p, int64_t i, float x, int is_bf16) {
-    if (is_bf16) ((uint16_t *)p)[i] = float_to_bf16(x);
+    if (is_bf16) ((uint16_t *)p)[i] = (uint16_t)(bf16_bits(x) >> 16);
     else ((float *)p)[i] = x;
 }
 
@@ -33,6 +49,7 @@ static inline void rms_norm(const float *x, const void *w, float eps, int64_t n,
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
     const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
     for (int64_t i = 0; i < n; i++)
         out[i] = rnd(load(w, i, is_bf16) * rnd(x[i] * inv, is_bf16), is_bf16);
 }
@@ -44,6 +61,7 @@ static inline void rotate(float *x, int64_t heads, int64_t dim, const void *cos_
     const int64_t half = dim / 2;
     for (int64_t hd = 0; hd < heads; hd++) {
         float *v = x + hd * dim;
+#pragma omp simd
         for (int64_t i = 0; i < half; i++) {
             const float c = load(cos_sin, pos * dim + i, is_bf16);
             const float sn = load(cos_sin, pos * dim + half + i, is_bf16);

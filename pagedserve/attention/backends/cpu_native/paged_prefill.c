@@ -115,7 +115,40 @@ static inline float softmax_unnormalized(float *s, int64_t n) {
     return 1.0f / sum;
 }
 
-/* One task: `rows` query rows from row r0 of request `req`, KV head g. buf: see task_floats. */
+/* a0 = sum over t < n of p0[t] * v[t], a1 the same of p1: two rows' sums over one read of the
+ * values (v fp32 [n, dim]), twice the independent sums in flight. */
+ALWAYS_INLINE void accumulate_two(float *a0, float *a1, const float *p0, const float *p1,
+                                  const float *v, int64_t n, const int64_t dim) {
+#if defined(__AVX512F__)
+    if (dim == 64 || dim == 128) {
+        __m512 s0[8], s1[8]; /* dim / 16 of each used */
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < dim / 16; c++) s0[c] = s1[c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < dim / 16; c++) {
+                const __m512 x = _mm512_loadu_ps(v + t * dim + 16 * c);
+                s0[c] = _mm512_fmadd_ps(w0, x, s0[c]);
+                s1[c] = _mm512_fmadd_ps(w1, x, s1[c]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < dim / 16; c++) {
+            _mm512_storeu_ps(a0 + 16 * c, s0[c]);
+            _mm512_storeu_ps(a1 + 16 * c, s1[c]);
+        }
+        return;
+    }
+#endif
+    memset(a0, 0, (size_t)dim * sizeof(float));
+    memset(a1, 0, (size_t)dim * sizeof(float));
+    accumulate_rows(a0, p0, v, n, dim, dim);
+    accumulate_rows(a1, p1, v, n, dim, dim);
+}
+
+/* One task: `rows` query rows from row r0 of request `req`, KV head g, two rows at a time (the
+ * second sees one key more: the first's weight for it is 0). buf: see the allocation. */
 ALWAYS_INLINE void prefill_task(const Prefill *a, int64_t req, int64_t g, int64_t r0,
                                 int64_t rows, float *buf, const int64_t dim, const int is_bf16,
                                 const int pairs) {
@@ -123,22 +156,32 @@ ALWAYS_INLINE void prefill_task(const Prefill *a, int64_t req, int64_t g, int64_
     const int64_t first = rq[0], query_len = rq[1], seq_len = rq[2];
     const int32_t *table = a->block_table + rq[3] * a->table_stride;
     const int64_t start = seq_len - query_len, n = start + r0 + rows; /* keys this task sees */
-    const int64_t tiles_max = (seq_len + TILE * GROUP - 1) / (TILE * GROUP) * GROUP, group = a->num_heads / a->num_kv_heads;
-    float *vf = buf, *s = vf + seq_len * dim, *acc = s + tiles_max * TILE, *qf = acc + dim;
+    const int64_t padded = (seq_len + TILE * GROUP - 1) / (TILE * GROUP) * TILE * GROUP;
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    float *vf = buf, *s0 = vf + seq_len * dim, *s1 = s0 + padded, *acc = s1 + padded;
+    float *qf = acc + 2 * dim;
     void *kt = qf + dim;
     pack_kv(a, table, g, n, kt, vf, dim, is_bf16, pairs);
-    for (int64_t i = r0; i < r0 + rows; i++) {
-        const int64_t seen = start + i + 1;
+    for (int64_t i = r0; i < r0 + rows; i += 2) {
+        const int64_t seen = start + i + 1, two = i + 1 < r0 + rows;
         for (int64_t h = g * group; h < (g + 1) * group; h++) {
-            const int64_t q_at = (first + i) * a->query_row_stride + h * dim;
-            tile_scores(a->query, q_at, kt, (seen + TILE - 1) / TILE, a->scale, s, qf, dim,
-                        is_bf16, pairs);
-            const float inv = softmax_unnormalized(s, seen);
-            memset(acc, 0, (size_t)dim * sizeof(float));
-            accumulate_rows(acc, s, vf, seen, dim, dim);
+            float inv[2] = {0.0f, 0.0f};
+            for (int64_t k = 0; k <= two; k++) {
+                float *s = k ? s1 : s0;
+                const int64_t q_at = (first + i + k) * a->query_row_stride + h * dim;
+                tile_scores(a->query, q_at, kt, (seen + k + TILE - 1) / TILE, a->scale, s, qf,
+                            dim, is_bf16, pairs);
+                inv[k] = softmax_unnormalized(s, seen + k);
+            }
+            s0[seen] = 0.0f;
+            if (!two) memset(s1, 0, (size_t)(seen + 1) * sizeof(float));
+            accumulate_two(acc, acc + dim, s0, s1, vf, seen + two, dim);
+            for (int64_t k = 0; k <= two; k++) {
 #pragma omp simd
-            for (int64_t d = 0; d < dim; d++) acc[d] *= inv;
-            store_row(a->output, (first + i) * a->output_row_stride + h * dim, acc, dim, is_bf16);
+                for (int64_t d = 0; d < dim; d++) acc[k * dim + d] *= inv[k];
+                store_row(a->output, (first + i + k) * a->output_row_stride + h * dim,
+                          acc + k * dim, dim, is_bf16);
+            }
         }
     }
 }
@@ -164,8 +207,8 @@ int paged_prefill_attention(const Prefill *a, int is_bf16, int num_threads) {
     }
     const int64_t dim = a->head_dim;
     const int64_t padded = (max_len + TILE * GROUP - 1) / (TILE * GROUP) * TILE * GROUP;
-    /* vf [max_len, D], s [padded], acc [D], qf [D], kt [padded, D] (fp32 at most) */
-    const size_t floats = (size_t)(max_len * dim + padded + 2 * dim + padded * dim + 16);
+    /* vf [max_len, D], s0 and s1 [padded], acc [2, D], qf [D], kt [padded, D] (fp32 at most) */
+    const size_t floats = (size_t)(max_len * dim + 2 * padded + 3 * dim + padded * dim + 16);
     int undone = 0;
 #pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1) reduction(+ : undone)
     {
