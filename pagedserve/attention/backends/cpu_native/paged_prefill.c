@@ -50,10 +50,10 @@ ALWAYS_INLINE void pack_kv(const Prefill *a, const int32_t *table, int64_t g, in
     memset(kt, 0, (size_t)(tiles * TILE * dim) * (pairs ? 2 : 4));
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = cache_at(a, table, t, g), tile = t / TILE, j = t % TILE;
-        if (pairs) {
+        if (pairs) { /* a pair of bf16 moves as one 32-bit word */
             const uint16_t *k = (const uint16_t *)a->key_cache + at;
             uint16_t *dst = (uint16_t *)kt + tile * TILE * dim + j * 2;
-            for (int64_t d = 0; d < dim; d++) dst[(d / 2) * TILE * 2 + (d % 2)] = k[d];
+            for (int64_t dp = 0; dp < dim / 2; dp++) memcpy(dst + dp * TILE * 2, k + 2 * dp, 4);
         } else {
             float *dst = (float *)kt + tile * TILE * dim + j;
             for (int64_t d = 0; d < dim; d++) dst[d * TILE] = load(a->key_cache, at + d, is_bf16);
@@ -100,6 +100,44 @@ ALWAYS_INLINE void tile_scores(const void *query, int64_t q_at, const void *kt, 
         for (int u = 0; u < GROUP; u++)
             for (int64_t j = 0; j < TILE; j++) s[(t0 + u) * TILE + j] = acc[u][j] * scale;
     }
+}
+
+/* The scores of two query rows (q_at[0], q_at[1]) over the first `tiles` tiles, each key tile
+ * read once: s0 and s1 as tile_scores writes them. */
+ALWAYS_INLINE void tile_scores_two(const void *query, const int64_t *q_at, const void *kt,
+                                   int64_t tiles, float scale, float *s0, float *s1, float *qf,
+                                   const int64_t dim, const int is_bf16, const int pairs) {
+#if HAVE_DPBF16
+    if (pairs) {
+        const uint16_t *q0 = (const uint16_t *)query + q_at[0];
+        const uint16_t *q1 = (const uint16_t *)query + q_at[1], *k = (const uint16_t *)kt;
+        for (int64_t t0 = 0; t0 < tiles; t0 += GROUP) {
+            __m512 acc0[GROUP], acc1[GROUP];
+            for (int u = 0; u < GROUP; u++) acc0[u] = acc1[u] = _mm512_setzero_ps();
+            for (int64_t dp = 0; dp < dim / 2; dp++) {
+                uint32_t p0, p1;
+                memcpy(&p0, q0 + 2 * dp, sizeof p0);
+                memcpy(&p1, q1 + 2 * dp, sizeof p1);
+                const __m512bh v0 = (__m512bh)_mm512_set1_epi32((int)p0);
+                const __m512bh v1 = (__m512bh)_mm512_set1_epi32((int)p1);
+                for (int u = 0; u < GROUP; u++) {
+                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(
+                        k + ((t0 + u) * dim / 2 + dp) * 32);
+                    acc0[u] = _mm512_dpbf16_ps(acc0[u], v0, kv);
+                    acc1[u] = _mm512_dpbf16_ps(acc1[u], v1, kv);
+                }
+            }
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int u = 0; u < GROUP; u++) {
+                _mm512_storeu_ps(s0 + (t0 + u) * TILE, _mm512_mul_ps(acc0[u], sc));
+                _mm512_storeu_ps(s1 + (t0 + u) * TILE, _mm512_mul_ps(acc1[u], sc));
+            }
+        }
+        return;
+    }
+#endif
+    tile_scores(query, q_at[0], kt, tiles, scale, s0, qf, dim, is_bf16, pairs);
+    tile_scores(query, q_at[1], kt, tiles, scale, s1, qf, dim, is_bf16, pairs);
 }
 
 /* s[0:n] = exp(s - max s); returns 1 / their sum. The exponentials in a loop of their own:
@@ -166,21 +204,24 @@ ALWAYS_INLINE void prefill_task(const Prefill *a, int64_t req, int64_t g, int64_
         const int64_t seen = start + i + 1, two = i + 1 < r0 + rows;
         for (int64_t h = g * group; h < (g + 1) * group; h++) {
             float inv[2] = {0.0f, 0.0f};
-            for (int64_t k = 0; k <= two; k++) {
-                float *s = k ? s1 : s0;
-                const int64_t q_at = (first + i + k) * a->query_row_stride + h * dim;
-                tile_scores(a->query, q_at, kt, (seen + k + TILE - 1) / TILE, a->scale, s, qf,
+            const int64_t q_at[2] = {(first + i) * a->query_row_stride + h * dim,
+                                     (first + i + two) * a->query_row_stride + h * dim};
+            if (two)
+                tile_scores_two(a->query, q_at, kt, (seen + 1 + TILE - 1) / TILE, a->scale, s0,
+                                s1, qf, dim, is_bf16, pairs);
+            else
+                tile_scores(a->query, q_at[0], kt, (seen + TILE - 1) / TILE, a->scale, s0, qf,
                             dim, is_bf16, pairs);
-                inv[k] = softmax_unnormalized(s, seen + k);
-            }
+            for (int64_t k = 0; k <= two; k++) inv[k] = softmax_unnormalized(k ? s1 : s0, seen + k);
             s0[seen] = 0.0f;
             if (!two) memset(s1, 0, (size_t)(seen + 1) * sizeof(float));
             accumulate_two(acc, acc + dim, s0, s1, vf, seen + two, dim);
             for (int64_t k = 0; k <= two; k++) {
 #pragma omp simd
                 for (int64_t d = 0; d < dim; d++) acc[k * dim + d] *= inv[k];
-                store_row(a->output, (first + i + k) * a->output_row_stride + h * dim,
-                          acc + k * dim, dim, is_bf16);
+                const int64_t out_at = (first + i + k) * a->output_row_stride + h * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; d++) store(a->output, out_at + d, acc[k * dim + d], is_bf16);
             }
         }
     }
