@@ -18,6 +18,7 @@ the engine chooses, or ``OMP_NUM_THREADS``.
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --batch 1 --dtype bfloat16
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --one-token-step compiled  # torch layers
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --linears   # the bf16 linear kernel
+    OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --batch 16 --prefills 6  # prompts
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse_args() -> argparse.Namespace:
                         "layers")
     p.add_argument("--top", type=int, default=15, help="ops listed by self time")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--prefills", type=int, default=0,
+                   help="instead: process CPU time of this many prefills of --batch 128-token "
+                        "prompts, 1 token out each (after one warm-up)")
     p.add_argument("--linears", action="store_true",
                    help="instead: one layer's bf16 linears, torch against the engine's CPU "
                         "linear, at 1, 4, 64 and 2048 rows (CPU time, weights in cache)")
@@ -145,6 +149,22 @@ def start_decoding(llm: LLM, batch: int, steps: int) -> None:
         llm.step()
 
 
+def prefill_seconds(llm: LLM, batch: int, runs: int) -> list[float]:
+    """Process CPU seconds of each of ``runs`` prefills of ``batch`` random prompts."""
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = llm.engine_core.vocab_size
+    seconds = []
+    for run in range(runs + 1):  # run 0 warms up
+        prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=PROMPT_LEN).tolist()}
+                   for _ in range(batch)]
+        start = time.process_time()
+        llm.generate(prompts, params, use_tqdm=False)
+        if run:
+            seconds.append(round(time.process_time() - start, 3))
+    return seconds
+
+
 def timed_phases(llm: LLM, timer: PhaseTimer, steps: int) -> dict[str, float]:
     timer.reset()
     cpu_start = time.process_time()
@@ -188,6 +208,11 @@ def main() -> None:
         compare_linears()
         return
     llm = LLM(dtype=args.dtype, kv_cache_memory=1 << 30, one_token_step=args.one_token_step)
+    if args.prefills:
+        seconds = prefill_seconds(llm, args.batch, args.prefills)
+        print(json.dumps({"batch": args.batch, "dtype": str(llm.config.model.dtype),
+                          "prefill_process_cpu_s": seconds}))
+        return
     forward = type(llm.engine_core.executor.model_runner.forward_fn).__name__
     timer = PhaseTimer()
     instrument(llm, timer)
