@@ -72,12 +72,16 @@ static inline void rotate(float *x, int64_t heads, int64_t dim, const void *cos_
     }
 }
 
-/* act[0:n] = silu(gate) * up, each op's result rounded to the dtype; gate, up fp32 [n]. */
+/* act[0:n] = silu(gate) * up, each op's result rounded to the dtype; gate, up fp32 [n].
+ * Below a gate of -88 the result is 0 (torch's quotient is x / inf = -0 from about -88.7 on,
+ * and under 1e-36 in between): the kernels are built with -ffast-math, whose vector expf
+ * does not return infinity, so the exponent is clamped and the quotient not taken there. */
 static inline void silu_mul(const float *gate, const float *up, float *act, int64_t n,
                             int is_bf16) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
-        const float silu = rnd(gate[i] / (1.0f + expf(-gate[i])), is_bf16);
+        const float e = expf(fminf(-gate[i], 88.0f));
+        const float silu = -gate[i] > 88.0f ? 0.0f : rnd(gate[i] / (1.0f + e), is_bf16);
         act[i] = rnd(silu * up[i], is_bf16);
     }
 }
