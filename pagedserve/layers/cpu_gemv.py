@@ -18,8 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.backends.cpu_native import build, library_path
+from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
-from pagedserve.platform import cpu_has_fast_bf16, default_cache_dir
+from pagedserve.platform import cpu_has_fast_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +71,10 @@ class GemvKernel:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [m, k]
-        few_rows = self.takes_few_rows(rows, weight, bias)
-        if not few_rows and not self.applies(rows, weight, bias):
-            if not _plain(rows, weight, bias):
-                return F.linear(x, weight, bias)
+        if not _plain(rows, weight, bias):
+            return F.linear(x, weight, bias)
+        few_rows = self._few_rows(rows)
+        if not few_rows and not self._bf16_rows(rows):
             out = self.large(rows, weight, bias)  # [m, n]
             return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         n = weight.shape[0]
@@ -96,17 +94,19 @@ class GemvKernel:
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
         """``gemv_bf16``'s case: bf16 everywhere, 1..max_rows rows (see ``_plain``)."""
-        return (_plain(rows, weight, bias)
-                and rows.dtype == torch.bfloat16
-                and 0 < rows.shape[0] <= (self.max_rows or rows.shape[0]))
+        return _plain(rows, weight, bias) and self._bf16_rows(rows)
 
     def takes_few_rows(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
         """``gemv_rows``' case: vectorized here, bf16 or fp32, 1..FEW_ROWS rows."""
-        return (self.rows_vectorized
-                and _plain(rows, weight, bias)
-                and rows.dtype in (torch.bfloat16, torch.float32)
+        return _plain(rows, weight, bias) and self._few_rows(rows)
+
+    def _bf16_rows(self, rows: torch.Tensor) -> bool:  # of plain inputs
+        return rows.dtype == torch.bfloat16 and 0 < rows.shape[0] <= (self.max_rows or rows.shape[0])
+
+    def _few_rows(self, rows: torch.Tensor) -> bool:  # of plain inputs
+        return (self.rows_vectorized and rows.dtype in (torch.bfloat16, torch.float32)
                 and 0 < rows.shape[0] <= FEW_ROWS)
 
 
@@ -129,14 +129,8 @@ def cpu_linear() -> Linear:
     """The CPU's linear: the kernels where a C compiler builds them and oneDNN on packed
     weights for many rows, else whichever of the two is there, else ``F.linear``."""
     large = PackedLinear() if packing_available() else F.linear
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.warning("no C compiler found: CPU bf16 linears use F.linear")
-        return _unless_traced(large)
     try:
-        path = library_path(cc, default_cache_dir() / "cpu_kernels", SOURCE)
-        if not path.exists():
-            build(cc, path, SOURCE)
+        path = built_library(SOURCE)
         return GemvKernel(path, SMALL_BATCH_ROWS if cpu_has_fast_bf16() else None, large)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU bf16 GEMV kernel not built (%s): using F.linear", e)

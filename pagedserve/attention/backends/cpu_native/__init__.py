@@ -74,8 +74,9 @@ def library_path(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
     """The library's file in ``cache_dir``, named by a hash of all it is built from."""
     key = hashlib.sha256()
     headers = [h.name.encode() + h.read_bytes() for h in _headers()]
-    parts: tuple[bytes | str, ...] = (source.read_bytes(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
-             _compiler_version(cc), _cpu_flags(), platform.machine())
+    parts: tuple[bytes | str, ...] = (
+        source.read_bytes(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
+        _compiler_version(cc), _cpu_flags(), platform.machine())
     for part in parts:
         key.update(part if isinstance(part, bytes) else part.encode())
     return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -175,15 +176,8 @@ def _check(query, kv_cache, rows, block_table, seq_lens, output) -> None:  # noq
 @functools.cache
 def load_paged_decode_kernel() -> PagedDecodeKernel | None:
     """The kernel, built on first use; None (logged once) when it cannot be built here."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path")
-        return None
     try:
-        path = library_path(cc, default_cache_dir() / "cpu_kernels")
-        if not path.exists():
-            build(cc, path)
-        return PagedDecodeKernel(path)
+        return PagedDecodeKernel(built_library(SOURCE))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU decode-attention kernel not built (%s): using the torch path", e)
         return None
