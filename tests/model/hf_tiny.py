@@ -20,6 +20,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from pagedserve.distributed.parallel_state import SINGLE_RANK
+from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading
+from pagedserve.model.llama import LlamaForCausalLM as OurLlama
+from pagedserve.model.registry import get_model_class
+
 BASE = dict(
     vocab_size=200,  # not a multiple of 64: exercises the padded vocabulary
     hidden_size=64,
@@ -63,6 +68,25 @@ def make_hf_model(case: str, seed: int = 0) -> PreTrainedModel:
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     return model_cls(config).eval()
+
+
+def our_tiny_model(case: str, folder: Path, dtype: torch.dtype = torch.float32,
+                   linear_method: LinearMethod = UNQUANTIZED,
+                   **overrides: object) -> OurLlama:
+    """Our model of a tiny case, with ``overrides`` set on its config before it is built,
+    loaded from the checkpoint of transformers' model of it (saved in ``folder``)."""
+    model_cls, config = CASES[case]
+    config = copy.deepcopy(config)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(0)
+    hf_model = model_cls(config).eval()
+    ours = get_model_class(config)(config, dtype, torch.device("cpu"), SINGLE_RANK,
+                                   linear_method)
+    ours.load_weights(saved_checkpoint(hf_model, folder).items())
+    finish_loading(ours)
+    return ours
 
 
 def saved_checkpoint(model: PreTrainedModel, folder: Path) -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ tokens equal transformers'; and the models, weights and caches it leaves to the 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 
@@ -15,9 +14,8 @@ from torch import nn
 
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.layer import attention_layers, bind_kv_caches
-from pagedserve.distributed.parallel_state import SINGLE_RANK
 from pagedserve.layers.cpu_pack_budget import PackBudget
-from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading
+from pagedserve.layers.linear import UNQUANTIZED
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
 from pagedserve.model import cpu_decode
 from pagedserve.model.cpu_decode import (
@@ -29,7 +27,7 @@ from pagedserve.model.cpu_decode import (
 )
 from pagedserve.model.llama import LlamaForCausalLM, LlamaMLP
 from pagedserve.model.registry import get_model_class
-from tests.model.hf_tiny import CASES, make_hf_model, saved_checkpoint
+from tests.model.hf_tiny import make_hf_model, our_tiny_model, saved_checkpoint
 from tests.model.paged_harness import greedy_generate
 
 pytestmark = pytest.mark.skipif(load_decode_step() is None, reason="no C compiler here")
@@ -55,23 +53,6 @@ class DecodeInC(nn.Module):
         return self.inner.compute_logits(hidden_states)
 
 
-def _ours(case: str, tmp_path, dtype: torch.dtype = torch.float32,
-          linear_method: LinearMethod = UNQUANTIZED, **overrides: object) -> LlamaForCausalLM:
-    """Our model of a tiny case, with ``overrides`` set on its config before it is built."""
-    model_cls, config = CASES[case]
-    config = copy.deepcopy(config)
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(0)
-    hf_model = model_cls(config).eval()
-    ours = get_model_class(config)(config, dtype, torch.device("cpu"), SINGLE_RANK,
-                                   linear_method)
-    ours.load_weights(saved_checkpoint(hf_model, tmp_path).items())
-    finish_loading(ours)
-    return ours
-
-
 def _compare(ours: LlamaForCausalLM, prompts: list[list[int]], atol: float) -> DecodeInC:
     want = greedy_generate(ours, prompts, NUM_STEPS)
     fused = DecodeInC(ours)
@@ -90,7 +71,7 @@ def test_batch_1_same_tokens_and_logits_as_the_torch_layers(case: str, prompt: l
     """fp32, one request: the prefill on the torch layers (a one-token prompt's prefill is a
     one-token step, in C), every decode step in C."""
     torch.set_num_threads(1)
-    fused = _compare(_ours(case, tmp_path), [prompt], atol=1e-4)
+    fused = _compare(our_tiny_model(case, tmp_path), [prompt], atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1 + (len(prompt) == 1)
 
 
@@ -101,7 +82,7 @@ def test_several_requests_of_different_lengths(case: str, threads: int, tmp_path
     torch layers), with every bias (q/k/v, o_proj, gate/up, down) where Llama has them."""
     torch.set_num_threads(threads)
     extra = {"attention_bias": True, "mlp_bias": True} if case == "llama" else {}
-    fused = _compare(_ours(case, tmp_path, **extra), PROMPTS, atol=1e-4)
+    fused = _compare(our_tiny_model(case, tmp_path, **extra), PROMPTS, atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
 
 
@@ -115,7 +96,7 @@ def test_batches_on_packed_weights(case: str, tmp_path) -> None:
     """fp32, a batch large enough for the packed weights (panel_gemm.h), with every bias."""
     torch.set_num_threads(1)
     extra = {"attention_bias": True, "mlp_bias": True} if case == "llama" else {}
-    fused = _compare(_ours(case, tmp_path, **extra), _panel_prompts(), atol=1e-4)
+    fused = _compare(our_tiny_model(case, tmp_path, **extra), _panel_prompts(), atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
     assert fused.c_forward._panels is not None
 
@@ -124,7 +105,7 @@ def test_batches_without_room_for_packed_weights_read_the_plain_ones(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
     monkeypatch.setattr(cpu_decode, "pack_budget", lambda: PackBudget(lambda: 0))
-    fused = _compare(_ours("llama", tmp_path), _panel_prompts(), atol=1e-4)
+    fused = _compare(our_tiny_model("llama", tmp_path), _panel_prompts(), atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
     assert fused.c_forward._panels is not None and not any(fused.c_forward._panels)
 
@@ -132,7 +113,7 @@ def test_batches_without_room_for_packed_weights_read_the_plain_ones(
 def test_bf16_batches_on_packed_weights_stay_close(tmp_path) -> None:
     """bf16 on packed weights: the first decode step's logits within 2% of their range."""
     torch.set_num_threads(1)
-    ours, prompts = _ours("qwen2", tmp_path, dtype=torch.bfloat16), _panel_prompts()
+    ours, prompts = our_tiny_model("qwen2", tmp_path, dtype=torch.bfloat16), _panel_prompts()
     want = greedy_generate(ours, prompts, 2)
     fused = DecodeInC(ours)
     got = greedy_generate(fused, prompts, 2)
@@ -148,7 +129,7 @@ def test_bf16_logits_stay_close(case: str, tmp_path) -> None:
     close, not equal: within 2% of their range; the first decode step's greedy token is the
     same."""
     torch.set_num_threads(1)
-    ours = _ours(case, tmp_path, dtype=torch.bfloat16)
+    ours = our_tiny_model(case, tmp_path, dtype=torch.bfloat16)
     want = greedy_generate(ours, PROMPTS, 2)
     got = greedy_generate(DecodeInC(ours), PROMPTS, 2)
     for g, w, prompt in zip(got, want, PROMPTS, strict=True):
@@ -186,12 +167,12 @@ class GatedGeluMLP(LlamaMLP):
 def test_unsupported_models_keep_the_torch_layers(tmp_path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """Another MLP class, FP8 weights, tensor parallelism: no C forward, the reason logged."""
-    ours = _ours("llama", tmp_path)
+    ours = our_tiny_model("llama", tmp_path)
     for layer in ours.model.layers:
         layer.mlp = GatedGeluMLP(ours.config, torch.float32, torch.device("cpu"), ours.tp,
                                  UNQUANTIZED)
-    fp8 = _ours("llama", tmp_path, linear_method=Fp8OnlineLinearMethod("dequantize"))
-    tp = _ours("llama", tmp_path)
+    fp8 = our_tiny_model("llama", tmp_path, linear_method=Fp8OnlineLinearMethod("dequantize"))
+    tp = our_tiny_model("llama", tmp_path)
     tp.tp = dataclasses.replace(tp.tp, size=2, group_name="tp")
     reasons = {"GatedGeluMLP is not a class": ours, "Fp8OnlineLinearMethod weights": fp8,
                "tensor parallelism": tp}
@@ -205,7 +186,7 @@ def test_unsupported_models_keep_the_torch_layers(tmp_path,
 def test_an_fp8_kv_cache_keeps_the_torch_layers(tmp_path) -> None:
     """The C step writes and reads a cache in the model's dtype: with FP8 caches bound it
     builds no tables, and every step runs the torch layers."""
-    ours = _ours("llama", tmp_path)
+    ours = our_tiny_model("llama", tmp_path)
     forward = ours.cpu_decode_forward()
     assert isinstance(forward, CpuDecodeForward)
     caches = {name: torch.zeros(layer.kv_cache_shape(8, 4), dtype=torch.float8_e4m3fn)
@@ -217,11 +198,11 @@ def test_an_fp8_kv_cache_keeps_the_torch_layers(tmp_path) -> None:
 
 def test_large_fp32_batches_keep_the_torch_layers(tmp_path) -> None:
     """fp32 decode batches above MAX_FP32_ROWS run the torch layers; bf16 ones stay in C."""
-    ours = _ours("llama", tmp_path)
+    ours = our_tiny_model("llama", tmp_path)
     prompts = [[i + 1] for i in range(MAX_FP32_ROWS + 1)]  # one-token prompts: all decode
     fused = DecodeInC(ours)
     greedy_generate(fused, prompts, 2)
     assert fused.c_forward.c_steps == 0
-    fused = DecodeInC(_ours("llama", tmp_path, dtype=torch.bfloat16))
+    fused = DecodeInC(our_tiny_model("llama", tmp_path, dtype=torch.bfloat16))
     greedy_generate(fused, prompts, 2)
     assert fused.c_forward.c_steps == 2

@@ -4,7 +4,6 @@ interpreter)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -15,13 +14,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from pagedserve.distributed.parallel_state import SINGLE_RANK  # noqa: E402
-from pagedserve.layers.linear import UNQUANTIZED, LinearMethod, finish_loading  # noqa: E402
+from pagedserve.layers.linear import UNQUANTIZED  # noqa: E402
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod  # noqa: E402
 from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason  # noqa: E402
 from pagedserve.model.llama import LLAMA_LAYERS, LlamaForCausalLM, LlamaMLP  # noqa: E402
-from pagedserve.model.registry import get_model_class  # noqa: E402
-from tests.model.hf_tiny import CASES, saved_checkpoint  # noqa: E402
+from tests.model.hf_tiny import our_tiny_model  # noqa: E402
 from tests.model.paged_harness import greedy_generate  # noqa: E402
 
 NUM_STEPS = 6
@@ -49,23 +46,6 @@ class OneTokenOnGemv(nn.Module):
         return self.inner.compute_logits(hidden_states)
 
 
-def _ours(case: str, tmp_path, dtype: torch.dtype = torch.float32,
-          linear_method: LinearMethod = UNQUANTIZED, **overrides: object) -> nn.Module:
-    """Our model of a tiny case, with ``overrides`` set on its config before it is built."""
-    model_cls, config = CASES[case]
-    config = copy.deepcopy(config)
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(0)
-    hf_model = model_cls(config).eval()
-    ours = get_model_class(config)(config, dtype, torch.device("cpu"), SINGLE_RANK,
-                                   linear_method)
-    ours.load_weights(saved_checkpoint(hf_model, tmp_path).items())
-    finish_loading(ours)
-    return ours
-
-
 @pytest.mark.parametrize("case", ["llama", "llama3_rope", "qwen2", "llama_all_biases",
                                   "llama_fp8", "qwen2_fp8"])
 @pytest.mark.parametrize("prompt", [[5, 17, 3, 120, 9, 44, 8], [31]])
@@ -74,11 +54,11 @@ def test_same_tokens_and_logits_as_the_model(case: str, prompt: list[int], tmp_p
     (its prefill is a one-token step too)."""
     torch.set_num_threads(1)
     if case == "llama_all_biases":  # q/k/v, o_proj, gate/up and down_proj all with a bias
-        ours = _ours("llama", tmp_path, attention_bias=True, mlp_bias=True)
+        ours = our_tiny_model("llama", tmp_path, attention_bias=True, mlp_bias=True)
     elif case.endswith("_fp8"):  # FP8 weights: the model dequantizes, the kernels scale rows
-        ours = _ours(case.removesuffix("_fp8"), tmp_path, linear_method=ONLINE_FP8)
+        ours = our_tiny_model(case.removesuffix("_fp8"), tmp_path, linear_method=ONLINE_FP8)
     else:
-        ours = _ours(case, tmp_path)
+        ours = our_tiny_model(case, tmp_path)
     want = greedy_generate(ours, [prompt], NUM_STEPS)[0]
     fused = OneTokenOnGemv(ours)
     got = greedy_generate(fused, [prompt], NUM_STEPS)[0]
@@ -93,7 +73,7 @@ def test_bf16_logits_stay_close_to_the_model(tmp_path) -> None:
     the first decode step's logits are close, not equal: within 2% of their range, and the
     same greedy token."""
     torch.set_num_threads(1)
-    ours = _ours("llama", tmp_path, dtype=torch.bfloat16)
+    ours = our_tiny_model("llama", tmp_path, dtype=torch.bfloat16)
     prompt = [5, 17, 3, 120, 9, 44, 8]
     want = greedy_generate(ours, [prompt], 2)[0]
     got = greedy_generate(OneTokenOnGemv(ours), [prompt], 2)[0]
@@ -109,7 +89,7 @@ def test_bf16_logits_stay_close_to_the_model(tmp_path) -> None:
 ])
 def test_unsupported_models_say_why(case: str, reason: str, tmp_path,
                                     caplog: pytest.LogCaptureFixture) -> None:
-    ours = _ours(case, tmp_path)
+    ours = our_tiny_model(case, tmp_path)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         assert ours.one_token_forward() is None
     assert reason in caplog.text
@@ -135,7 +115,7 @@ class LlamaWithGeluMLP(LlamaForCausalLM):
 
 
 def test_a_subclass_with_another_mlp_gets_no_gemv_forward(tmp_path) -> None:
-    ours = _ours("llama", tmp_path)
+    ours = our_tiny_model("llama", tmp_path)
     assert ours.one_token_forward() is not None  # the same weights and shapes fit the kernels
     other = LlamaWithGeluMLP(ours.config, torch.float32, torch.device("cpu"))
     assert other.one_token_layers is LLAMA_LAYERS
@@ -146,7 +126,7 @@ def test_a_subclass_with_another_mlp_gets_no_gemv_forward(tmp_path) -> None:
 def test_tensor_parallel_models_are_refused(tmp_path) -> None:
     """o_proj and down_proj of a TP rank need an all-reduce before the residual add, which the
     kernels' epilogue cannot do: such engines keep the compiled forward."""
-    ours = _ours("llama", tmp_path)
+    ours = our_tiny_model("llama", tmp_path)
     ours.tp = dataclasses.replace(ours.tp, size=2, group_name="tp")
     assert "tensor parallelism" in unsupported_reason(ours, ours.one_token_layers)
     assert ours.one_token_forward() is None
