@@ -3,24 +3,19 @@ job script: its figures stream in, a job past its time is killed) and the summar
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.benchmarks.script_loader import BENCHMARKS, loaded_script
+from tests.benchmarks.script_loader import loaded_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        with loaded_script("spec_decode_bench") as module:
-            yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with loaded_script("spec_decode_bench") as module:
+        yield module
 
 
 def test_expected_tokens_and_break_even(bench: ModuleType) -> None:

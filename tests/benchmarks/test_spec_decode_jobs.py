@@ -4,7 +4,6 @@ workloads' acceptance (ngram ~1, the iid proposer's rate p per position)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -14,17 +13,13 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.spec_decode.proposer import DraftRequest
-from tests.benchmarks.script_loader import BENCHMARKS, loaded_script
+from tests.benchmarks.script_loader import loaded_script
 
 
 @pytest.fixture(scope="module")
 def jobs() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        with loaded_script("spec_decode_jobs") as module:
-            yield module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with loaded_script("spec_decode_jobs") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
