@@ -29,10 +29,15 @@ import torch
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.layers.cpu_pack_budget import pack_budget
-from pagedserve.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedserve.layers.linear import UnquantizedLinearMethod
 from pagedserve.layers.panel_pack import panel_pack
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.model.llama import LayerTypes, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.model.llama import (
+    LayerTypes,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    foreign_linear,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,17 +94,13 @@ def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None
     """Why the C step cannot run ``model`` (None: it can)."""
     if model.tp.size != 1:
         return "tensor parallelism"
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase) and not isinstance(module.linear_method,
-                                                             UnquantizedLinearMethod):
-            return f"{name} has {type(module.linear_method).__name__} weights"
+    foreign = foreign_linear(model, (UnquantizedLinearMethod,))
+    if foreign is not None:
+        return foreign
     for i, layer in enumerate(model.model.layers):
-        parts = ((layer, (types.decoder_layer,)), (layer.self_attn, (types.attention,)),
-                 (layer.mlp, (types.mlp,)), (layer.input_layernorm, types.norm),
-                 (layer.post_attention_layernorm, types.norm))
-        for module, expected in parts:
-            if type(module) not in expected:
-                return f"layer {i}: {type(module).__name__} is not a class the C step was written for"
+        part = types.foreign_part(layer)
+        if part is not None:
+            return f"layer {i}: {part}, the type the C step was written for"
     if type(model.model.rotary_emb) is not RotaryEmbedding:
         return f"rotary embedding {type(model.model.rotary_emb).__name__}"
     dtypes = {p.dtype for p in model.model.parameters()}

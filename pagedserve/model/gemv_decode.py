@@ -29,7 +29,6 @@ import logging
 from typing import cast
 
 import torch
-from torch import nn
 
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
 from pagedserve.kernels import gemv
@@ -39,41 +38,16 @@ from pagedserve.model.llama import (
     LayerTypes,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    foreign_linear,
     head_dim_of,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def _foreign_layer(layer: nn.Module, types: LayerTypes) -> str | None:
-    """The first part of ``layer`` whose class is not exactly one in ``types``."""
-    parts = (("decoder layer", layer, (types.decoder_layer,)),
-             ("attention", getattr(layer, "self_attn", None), (types.attention,)),
-             ("MLP", getattr(layer, "mlp", None), (types.mlp,)),
-             ("input_layernorm", getattr(layer, "input_layernorm", None), types.norm),
-             ("post_attention_layernorm", getattr(layer, "post_attention_layernorm", None),
-              types.norm))
-    for what, module, expected in parts:
-        if type(module) not in expected:
-            names = " or ".join(t.__name__ for t in expected)
-            return (f"{what} {type(module).__name__} is not {names}, the type the fused "
-                    "kernels were written for")
-    return None
-
-
 GEMV_LINEAR_METHODS = (UnquantizedLinearMethod, Fp8LinearMethod, Fp8OnlineLinearMethod)
 """Linear methods whose weights the kernels read: the compute dtype, or FP8 with a scale per
 output row (the ``weight_scale`` buffer of both FP8 methods)."""
-
-
-def _foreign_linear(model: nn.Module) -> str | None:
-    """The first linear layer whose weights the kernels cannot read."""
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase) and not isinstance(
-            module.linear_method, GEMV_LINEAR_METHODS
-        ):
-            return f"{name} has {type(module.linear_method).__name__} weights"
-    return None
 
 
 def _weight_scale(linear: LinearBase) -> torch.Tensor | None:
@@ -86,15 +60,15 @@ def _weight_scale(linear: LinearBase) -> torch.Tensor | None:
 def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None:
     """Why ``model`` cannot run on these kernels with the layer types it declares (None: it
     can)."""
-    foreign = _foreign_linear(model)
+    foreign = foreign_linear(model, GEMV_LINEAR_METHODS)
     if foreign is not None:
         return foreign
     if model.tp.size != 1:
         return "tensor parallelism (o_proj and down_proj need an all-reduce before the residual)"
     for layer in model.model.layers:
-        reason = _foreign_layer(layer, types)
-        if reason is not None:
-            return reason
+        part = types.foreign_part(layer)
+        if part is not None:
+            return f"{part}, the type the fused kernels were written for"
     head_dim = head_dim_of(model.config)
     first = cast(LlamaDecoderLayer, model.model.layers[0])  # checked above
     qkv_dtype = first.self_attn.qkv_proj.weight.dtype

@@ -21,6 +21,7 @@ from pagedserve.distributed.parallel_state import SINGLE_RANK, TensorParallelGro
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import (
     UNQUANTIZED,
+    LinearBase,
     LinearMethod,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -230,6 +231,30 @@ class LayerTypes(NamedTuple):
     mlp: type[nn.Module]
     norm: tuple[type[nn.Module], ...]
     """Either norm: the one-token forward reads its weight and eps, not its output."""
+
+    def foreign_part(self, layer: nn.Module) -> str | None:
+        """The first part of ``layer`` whose class is not exactly one of these, as "MLP
+        GatedGeluMLP is not LlamaMLP"; None where every part is."""
+        parts = (("decoder layer", layer, (self.decoder_layer,)),
+                 ("attention", getattr(layer, "self_attn", None), (self.attention,)),
+                 ("MLP", getattr(layer, "mlp", None), (self.mlp,)),
+                 ("input_layernorm", getattr(layer, "input_layernorm", None), self.norm),
+                 ("post_attention_layernorm", getattr(layer, "post_attention_layernorm", None),
+                  self.norm))
+        for what, module, expected in parts:
+            if type(module) not in expected:
+                names = " or ".join(t.__name__ for t in expected)
+                return f"{what} {type(module).__name__} is not {names}"
+        return None
+
+
+def foreign_linear(model: nn.Module, methods: tuple[type[LinearMethod], ...]) -> str | None:
+    """The first linear layer whose weights are not of one of ``methods``, as "NAME has
+    METHOD weights"; None where every one's are."""
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and not isinstance(module.linear_method, methods):
+            return f"{name} has {type(module.linear_method).__name__} weights"
+    return None
 
 
 LLAMA_LAYERS = LayerTypes(LlamaDecoderLayer, LlamaAttention, LlamaMLP, (RMSNorm, Fp8RMSNorm))

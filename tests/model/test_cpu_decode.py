@@ -174,7 +174,7 @@ def test_unsupported_models_keep_the_torch_layers(tmp_path,
     fp8 = our_tiny_model("llama", tmp_path, linear_method=Fp8OnlineLinearMethod("dequantize"))
     tp = our_tiny_model("llama", tmp_path)
     tp.tp = dataclasses.replace(tp.tp, size=2, group_name="tp")
-    reasons = {"GatedGeluMLP is not a class": ours, "Fp8OnlineLinearMethod weights": fp8,
+    reasons = {"MLP GatedGeluMLP is not LlamaMLP": ours, "Fp8OnlineLinearMethod weights": fp8,
                "tensor parallelism": tp}
     for reason, model in reasons.items():
         with caplog.at_level(logging.INFO, logger="pagedserve"):
