@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--max-num-seqs", type=comma_list(int), default=[256, 1024])
     run.add_argument("--num-prompts", type=int, default=None,
                      help="prompts of t1000 / t2048 (default 1000)")
+    run.add_argument("--first-only", type=comma_list(str), default=[],
+                     help="throughput workloads to run at the first --max-num-seqs value only "
+                     "(as the step workloads are), to fit a device call")
     run.add_argument("--vllm-pythonpath", default="/tmp/site:/tmp/vllm-pkg")
     run.add_argument("--timeout", type=float, default=590, help="seconds per subprocess")
     run.add_argument("--plan", action="store_true", help="print the runs and estimates only")
@@ -127,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in getattr(args, "workloads", []):
         if name not in [*WORKLOADS, "cold"]:
             parser.error(f"--workloads: {name!r} is not one of {', '.join([*WORKLOADS, 'cold'])}")
+    for name in getattr(args, "first_only", []):
+        if name not in WORKLOADS:
+            parser.error(f"--first-only: {name!r} is not one of {', '.join(WORKLOADS)}")
     for name in getattr(args, "engines", []):
         if name not in ENGINES:
             parser.error(f"--engines: {name!r} is not one of {', '.join(ENGINES)}")
@@ -135,14 +141,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[Run]:
     """pagedserve: one run per --max-num-seqs value; vLLM: one per workload and value. The
-    step workloads run at the first value only; ``cold`` needs no run of its own."""
-    steps = [w for w in args.workloads if w in WORKLOADS and WORKLOADS[w].kind == "latency"]
-    loads = [w for w in args.workloads if w in WORKLOADS and WORKLOADS[w].kind == "throughput"]
+    step workloads and ``--first-only`` ones run at the first value only; ``cold`` needs no run
+    of its own."""
+    first_only = set(getattr(args, "first_only", []))
+    at_first = [w for w in args.workloads
+                if w in WORKLOADS and (WORKLOADS[w].kind == "latency" or w in first_only)]
+    at_every = [w for w in args.workloads if w in WORKLOADS and w not in at_first]
     first = args.max_num_seqs[0]
     runs = []
     for engine in args.engines:
         for seqs in args.max_num_seqs:
-            names = (steps if seqs == first else []) + loads
+            names = (at_first if seqs == first else []) + at_every
             if engine == "pagedserve":
                 runs += [Run(engine, tuple(names), seqs)] if names else []
             else:

@@ -51,6 +51,13 @@ def test_plan_groups_pagedserve_and_splits_vllm(vs: ModuleType) -> None:
         ("vllm", ("b1",), 256), ("vllm", ("b64",), 256), ("vllm", ("t1000",), 256),
         ("vllm", ("t2048",), 256), ("vllm", ("t1000",), 1024), ("vllm", ("t2048",), 1024),
     ]
+    first_only = vs.plan(vs.parse_args(["run", "--out", "o", "--engines", "vllm",
+                                        "--first-only", "t2048"]))
+    assert [(r.workloads, r.max_num_seqs) for r in first_only] == [
+        (("b1",), 256), (("b64",), 256), (("t2048",), 256), (("t1000",), 256),
+        (("t1000",), 1024)]
+    with pytest.raises(SystemExit):
+        vs.parse_args(["run", "--out", "o", "--first-only", "cold"])
     cold_only = vs.plan(vs.parse_args(["run", "--out", "o", "--workloads", "cold"]))
     assert [(r.engine, r.workloads) for r in cold_only] == [("pagedserve", ()), ("vllm", ())]
     full = vs.parse_args(["run", "--out", "o"])
