@@ -8,6 +8,12 @@
  * a broadcast of one x value (bf16: a pair) feeds it to 16 sums at once; PANEL_ROWS rows x
  * PANEL_GROUP panels of accumulators stay in registers, no horizontal add.
  *
+ * A group of panels is multiplied by every PANEL_ROWS-row block of x in turn: the first block
+ * brings the group in from memory, the later ones find it in L2. A single core cannot stream
+ * weights as fast as the first block consumes them, so while the last block runs (the only
+ * one at a batch of 8 or fewer), the next group is prefetched into L2, and every block reads
+ * its weights from cache.
+ *
  * Layout (panel_pack in model/cpu_decode.py): n padded to a multiple of 16 with zero columns,
  * panel p holds columns 16p..16p+15: bf16 [k/2][16][2] (k even), fp32 [k][16]. AVX512F only
  * (with AVX512-BF16 for bf16 weights); PANEL_AVAILABLE says whether this build has it.
@@ -40,9 +46,10 @@
 
 #if PANEL_F32
 /* acc[r][g] = x[r] . columns of panel g, for r < R, g < G; xs: x's rows (fp32 [R, k] or bf16
- * pairs), wp: the group's first panel. */
-ALWAYS_INLINE void panel_block(const float *x, const uint16_t *xb, const char *wp, int64_t k,
-                               int is_bf16, const int R, const int G,
+ * pairs), wp: the group's first panel; pf: the next group's first panel, prefetched into L2
+ * alongside (NULL: none). */
+ALWAYS_INLINE void panel_block(const float *x, const uint16_t *xb, const char *wp, const char *pf,
+                               int64_t k, int is_bf16, const int R, const int G,
                                __m512 acc[PANEL_ROWS][PANEL_GROUP]) {
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
@@ -51,8 +58,10 @@ ALWAYS_INLINE void panel_block(const float *x, const uint16_t *xb, const char *w
         const int64_t panel = k * PANEL_COLS; /* bf16 elements per panel */
         for (int64_t i = 0; i < k / 2; i++) {
             __m512i w[PANEL_GROUP];
-            for (int g = 0; g < G; g++)
+            for (int g = 0; g < G; g++) {
                 w[g] = _mm512_loadu_si512((const uint16_t *)wp + g * panel + i * 32);
+                if (pf != NULL) _mm_prefetch(pf + 2 * (g * panel + i * 32), _MM_HINT_T1);
+            }
             for (int r = 0; r < R; r++) {
                 int32_t pair;
                 __builtin_memcpy(&pair, xb + r * k + 2 * i, sizeof pair);
@@ -69,7 +78,10 @@ ALWAYS_INLINE void panel_block(const float *x, const uint16_t *xb, const char *w
     const int64_t panel = k * PANEL_COLS; /* floats per panel */
     for (int64_t i = 0; i < k; i++) {
         __m512 w[PANEL_GROUP];
-        for (int g = 0; g < G; g++) w[g] = _mm512_loadu_ps((const float *)wp + g * panel + i * 16);
+        for (int g = 0; g < G; g++) {
+            w[g] = _mm512_loadu_ps((const float *)wp + g * panel + i * 16);
+            if (pf != NULL) _mm_prefetch(pf + 4 * (g * panel + i * 16), _MM_HINT_T1);
+        }
         for (int r = 0; r < R; r++) {
             const __m512 xv = _mm512_set1_ps(x[r * k + i]);
             for (int g = 0; g < G; g++) acc[r][g] = _mm512_fmadd_ps(xv, w[g], acc[r][g]);
@@ -95,11 +107,12 @@ ALWAYS_INLINE void panel_store(const __m512 acc[PANEL_ROWS][PANEL_GROUP], const 
 }
 
 /* A block of R rows x G panels; a copy per (R, G) keeps the accumulators in registers. */
-static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const void *bias,
-                       float *y, int64_t col, int64_t n, int64_t k, int is_bf16, int R, int G) {
+static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const char *pf,
+                       const void *bias, float *y, int64_t col, int64_t n, int64_t k,
+                       int is_bf16, int R, int G) {
     __m512 acc[PANEL_ROWS][PANEL_GROUP];
 #define PANEL_RG(RR, GG)                                                   \
-    panel_block(x, xb, wp, k, is_bf16, RR, GG, acc);                       \
+    panel_block(x, xb, wp, pf, k, is_bf16, RR, GG, acc);                   \
     panel_store(acc, bias, y, col, n, is_bf16, RR, GG);                    \
     return;
 #define PANEL_R(RR)                                                        \
@@ -132,7 +145,9 @@ static int panel_gemm(const float *x, const uint16_t *xb, const void *wp, const 
         const char *wp_g = (const char *)wp + p * panel_bytes;
         for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROWS) {
             const int R = m - r0 < PANEL_ROWS ? (int)(m - r0) : PANEL_ROWS;
-            panel_rows(x + r0 * k, xb + r0 * k, wp_g, bias, y + r0 * n, p * PANEL_COLS, n, k,
+            const char *pf = r0 + R >= m && gi + 1 < groups ? wp_g + PANEL_GROUP * panel_bytes
+                                                            : NULL;
+            panel_rows(x + r0 * k, xb + r0 * k, wp_g, pf, bias, y + r0 * n, p * PANEL_COLS, n, k,
                        is_bf16, R, G);
         }
     }
