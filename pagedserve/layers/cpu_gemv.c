@@ -184,7 +184,10 @@ int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m
     return rows_product(x, w, bias, y, m, n, k, x_stride, y_stride, is_bf16, 0, num_threads);
 }
 
-/* gemv_rows on a weight packed for panel_gemm.h (tests and benchmarks call it). */
+/* 1 where panel_gemm.h has a kernel for the dtype in this build. */
+int gemm_panels_kernel(int is_bf16) { return is_bf16 ? PANEL_BF16 : PANEL_F32; }
+
+/* gemv_rows on a weight packed for panel_gemm.h. */
 int gemm_panels(const void *x, const void *wp, const void *bias, void *y, int64_t m, int64_t n,
                 int64_t k, int64_t x_stride, int64_t y_stride, int is_bf16, int num_threads) {
     return rows_product(x, wp, bias, y, m, n, k, x_stride, y_stride, is_bf16, 1, num_threads);

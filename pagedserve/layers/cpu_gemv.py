@@ -7,7 +7,9 @@ weight read, and torch's linear at a few rows reads slower than that (bf16 and f
 CPU without native bf16 matmuls (no AVX512-BF16 or AMX) torch's bf16 matmul is emulated,
 several times slower than its fp32 one, at any batch (docs/cpu.md#bf16-linears has the
 figures). Inputs of up to ``FEW_ROWS`` rows, bf16 or fp32, go to ``gemv_rows`` where
-it is vectorized (AVX512F); bf16 inputs to ``gemv_bf16`` (AVX2; of up to ``SMALL_BATCH_ROWS``
+it is vectorized (AVX512F), or from ``PANEL_MIN_ROWS`` to ``PANEL_MAX_ROWS`` rows to
+``gemm_panels`` on a copy of the weight packed in panels (``panel_gemm.h``); bf16 inputs to
+``gemv_bf16`` (AVX2; of up to ``SMALL_BATCH_ROWS``
 rows where the CPU has native bf16); the other fp32 and native bf16 inputs to oneDNN on packed
 weights (``cpu_packed_linear.py``) where torch has it, else ``F.linear``. No compiler, or a
 failed build: the same without the C kernels (logged once).
@@ -27,6 +29,12 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
+from pagedserve.layers.panel_pack import (
+    PANEL_MAX_ROWS,
+    PANEL_MIN_ROWS,
+    panel_copies,
+    panel_packable,
+)
 from pagedserve.platform import cpu_has_fast_bf16
 
 logger = logging.getLogger(__name__)
@@ -50,9 +58,11 @@ _ROWS_ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 4 + [_i64] * 5 + [cty
 
 
 class GemvKernel:
-    """The library's kernels as a drop-in ``F.linear``: ``gemv_rows`` (bf16 or fp32, up to
-    ``FEW_ROWS`` rows) where it is vectorized here, ``gemv_bf16`` for the other bf16
-    inputs of up to ``max_rows`` rows (None: any), ``large`` for the rest."""
+    """The library's kernels as a drop-in ``F.linear``: ``gemm_panels`` (``PANEL_MIN_ROWS`` to
+    ``PANEL_MAX_ROWS`` rows, where this build has its kernel for the dtype and the weight's
+    panel copy fits the budget), ``gemv_rows`` (bf16 or fp32, up to ``FEW_ROWS`` rows) where it
+    is vectorized here, ``gemv_bf16`` for the other bf16 inputs of up to ``max_rows`` rows
+    (None: any), ``large`` for the rest."""
 
     def __init__(self, path: Path, max_rows: int | None, large: Linear = F.linear) -> None:
         self.path = path
@@ -65,7 +75,12 @@ class GemvKernel:
         self._rows_fn = library.gemv_rows
         self._rows_fn.argtypes = _ROWS_ARGTYPES
         self._rows_fn.restype = ctypes.c_int
+        self._panels_fn = library.gemm_panels
+        self._panels_fn.argtypes = _ROWS_ARGTYPES
+        self._panels_fn.restype = ctypes.c_int
         self.rows_vectorized = bool(library.gemv_rows_vectorized())
+        self.panel_dtypes = tuple(dtype for dtype in (torch.bfloat16, torch.float32)
+                                  if library.gemm_panels_kernel(int(dtype == torch.bfloat16)))
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -73,22 +88,33 @@ class GemvKernel:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # [m, k]
         if not _plain(rows, weight, bias):
             return F.linear(x, weight, bias)
-        few_rows = self._few_rows(rows)
-        if not few_rows and not self._bf16_rows(rows):
+        panels = self._panels(rows, weight)
+        few_rows = panels is None and self._few_rows(rows)
+        if panels is None and not few_rows and not self._bf16_rows(rows):
             out = self.large(rows, weight, bias)  # [m, n]
             return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         n = weight.shape[0]
         out = torch.empty((rows.shape[0], n), dtype=x.dtype)  # [m, n]
-        args = (rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                out.data_ptr(), rows.shape[0], n, weight.shape[1], rows.stride(0), n)
-        threads = torch.get_num_threads()
-        if few_rows:
-            status = self._rows_fn(*args, int(x.dtype == torch.bfloat16), threads)
+        args = (rows.data_ptr(), weight.data_ptr() if panels is None else panels.data_ptr(),
+                0 if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n,
+                weight.shape[1], rows.stride(0), n)
+        threads, is_bf16 = torch.get_num_threads(), int(x.dtype == torch.bfloat16)
+        if panels is not None:
+            status = self._panels_fn(*args, is_bf16, threads)
+        elif few_rows:
+            status = self._rows_fn(*args, is_bf16, threads)
         else:
             status = self._fn(*args, threads)
         if status != 0:
             raise MemoryError("cpu_gemv: could not allocate the widened rows of x")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def _panels(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight's panel copy where ``gemm_panels`` takes these (plain) rows, else None."""
+        if not (PANEL_MIN_ROWS <= rows.shape[0] <= PANEL_MAX_ROWS
+                and rows.dtype in self.panel_dtypes and panel_packable(weight)):
+            return None
+        return panel_copies().get(weight)
 
     def applies(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

@@ -8,18 +8,17 @@ faster at a prompt's thousands of rows (docs/cpu.md#packed-linears has the figur
 is memory: the packed copy sits beside the plain weight (the C decode step and the torch
 reference read the plain one), so each packed weight is held twice.
 
-Packed copies are made on a weight's first call and kept per weight tensor; an in-place write
-to the weight (a reload) bumps its version counter and the copy is made again.
+Packed copies are made on a weight's first call and kept per weight tensor
+(``weight_copies.py``).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from pagedserve.layers.cpu_pack_budget import PackBudget, pack_budget
+from pagedserve.layers.cpu_pack_budget import PackBudget
+from pagedserve.layers.weight_copies import WeightCopies
 from pagedserve.platform import cpu_has_fast_bf16
 
 
@@ -38,10 +37,8 @@ class PackedLinear:
     def __init__(self, native_bf16: bool | None = None, budget: PackBudget | None = None) -> None:
         bf16 = cpu_has_fast_bf16() if native_bf16 is None else native_bf16
         self.dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-        self.budget = budget or pack_budget()
-        # id(weight) -> (weakref to it, its version when packed, the packed copy [n, k], the
-        # bytes it counts for in the budget)
-        self._packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, int]] = {}
+        self.copies = WeightCopies(_reorder, "linear", budget)
+        """Each weight's copy in oneDNN's blocked layout."""
 
     def takes(self, rows: torch.Tensor, weight: torch.Tensor) -> bool:
         """2-D rows in a packed dtype, the weight in the same one, no gradient wanted."""
@@ -56,28 +53,12 @@ class PackedLinear:
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """rows [m, k], weight [n, k], bias [n] or None -> [m, n]."""
-        packed = self.packed(weight) if self.takes(rows, weight) else None
+        packed = self.copies.get(weight) if self.takes(rows, weight) else None
         if packed is None:
             return F.linear(rows, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
-    def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The weight's packed copy, made now if it has none or the weight changed since;
-        None while the budget has no room for it."""
-        key = id(weight)
-        entry = self._packed.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-            return entry[2]
-        self._forget(key)
-        nbytes = weight.numel() * weight.element_size()
-        if not self.budget.take(nbytes, f"a [{weight.shape[0]}, {weight.shape[1]}] linear"):
-            return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self._packed[key] = (weakref.ref(weight, lambda _: self._forget(key)),
-                             weight._version, packed, nbytes)
-        return packed
 
-    def _forget(self, key: int) -> None:
-        entry = self._packed.pop(key, None)
-        if entry is not None:
-            self.budget.give_back(entry[3])
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] in oneDNN's blocked layout for a linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)

@@ -28,9 +28,8 @@ import torch
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.forward_context import ForwardContext, get_forward_context
-from pagedserve.layers.cpu_pack_budget import pack_budget
 from pagedserve.layers.linear import UnquantizedLinearMethod
-from pagedserve.layers.panel_pack import panel_pack
+from pagedserve.layers.panel_pack import PANEL_MIN_ROWS, panel_copies, panel_packable
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.model.llama import (
     LayerTypes,
@@ -47,10 +46,6 @@ MAX_FP32_ROWS = 128
 """fp32 decode batches above this run the torch layers: up to here the C step on packed weights
 was measured faster than the torch layers (docs/cpu.md#c-decode-step), beyond it not measured.
 bf16 batches of any size run in C."""
-PANEL_MIN_ROWS = 8
-"""Decode batches of this many requests or more multiply on weights packed in panels
-(``layers/panel_gemm.h``), packed on the first such step; smaller ones read the plain
-weights, which they stream at the memory's rate."""
 _STATUS = {1: "no memory for the step's scratch", 2: "the attention left requests undone",
            3: "a position past the rotary table"}
 
@@ -144,8 +139,10 @@ class CpuDecodeForward:
         self.cache_refused = False
         self._caches: list[torch.Tensor] = []
         self._tables: tuple[_Model, ctypes.Array[_Layer]] | None = None
-        self._panels: list[list[torch.Tensor]] | None = None
-        """Per layer: qkv, o, gate_up, down packed for panel_gemm (None: not yet)."""
+        self._panels: list[list[torch.Tensor | None]] | None = None
+        """Per layer: qkv, o, gate_up, down packed for panel_gemm (None: not yet; a weight's
+        None: no copy, it reads the plain weight). Decode batches of ``PANEL_MIN_ROWS``
+        requests or more multiply on them; smaller ones read the plain weights."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -209,14 +206,11 @@ class CpuDecodeForward:
         self._tables = self._build_tables(self._caches)
         return self._tables[0]
 
-    def _pack_panels(self) -> list[list[torch.Tensor]]:
-        """Every layer's panel weights, where they fit the packed-copy budget (else none: the
-        steps read the plain weights)."""
-        nbytes = sum(w.numel() * w.element_size() for layer in self.layers
-                     for w in _panel_weights(layer))
-        if not pack_budget().take(nbytes, "the decode step's panel weights"):
-            return [[] for _ in self.layers]
-        return [_layer_panels(layer) for layer in self.layers]
+    def _pack_panels(self) -> list[list[torch.Tensor | None]]:
+        """Every layer's panel weights, each where it fits the packed-copy budget (the others
+        read the plain weight)."""
+        return [[panel_copies().get(w) if panel_packable(w) else None
+                 for w in _panel_weights(layer)] for layer in self.layers]
 
     def _build_tables(self, caches: list[torch.Tensor]) -> tuple[_Model, ctypes.Array[_Layer]]:
         inner, first = self.model.model, self.layers[0]
@@ -252,17 +246,9 @@ def _panel_weights(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
             layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
 
 
-def _layer_panels(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
-    """qkv, o, gate_up, down packed for panel_gemm; none where a bf16 weight has an odd k."""
-    weights = _panel_weights(layer)
-    if any(w.dtype == torch.bfloat16 and w.shape[1] % 2 for w in weights):
-        return []
-    return [panel_pack(w) for w in weights]
-
-
 def _layer_table(layer: LlamaDecoderLayer, cache: torch.Tensor,
-                 panels: list[torch.Tensor]) -> _Layer:
-    """One layer's addresses; ``panels``: its packed weights, or [] (NULL: none)."""
+                 panels: list[torch.Tensor | None]) -> _Layer:
+    """One layer's addresses; ``panels``: its packed weights (None or none at all: NULL)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers import cpu_gemv
+from pagedserve.layers.panel_pack import PANEL_MAX_ROWS, PANEL_MIN_ROWS, panel_copies
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,33 @@ def test_native_bf16_keeps_large_batches_on_torch(kernel) -> None:
     assert not native.applies(torch.randn(5, 32).to(torch.bfloat16), w, None)
     emulated = cpu_gemv.GemvKernel(kernel.path, None)
     assert emulated.applies(torch.randn(64, 32).to(torch.bfloat16), w, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [PANEL_MIN_ROWS, 16, PANEL_MAX_ROWS])
+def test_panel_rows_run_on_the_weights_panel_copy(kernel, dtype: torch.dtype, rows: int) -> None:
+    """From PANEL_MIN_ROWS to PANEL_MAX_ROWS rows: ``gemm_panels`` on the weight's shared panel
+    copy, made on the first call; strided rows, a bias, n not a multiple of 16."""
+    if dtype not in kernel.panel_dtypes:
+        pytest.skip(f"no panel kernel for {dtype} in this build")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64 + 3, generator=gen).to(dtype)[:, :64]  # row stride 67
+    w = torch.randn(40, 64, generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    copies = panel_copies()
+    before = len(copies)
+    got = kernel(x, w, bias)
+    assert len(copies) == before + 1 and copies.get(w) is not None
+    want = F.linear(x.float(), w.float(), bias.float()).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.01)
+    torch.testing.assert_close(got, want, **tol)
+    del w
+    assert len(copies) == before  # a dead weight's copy goes with it
+
+
+def test_more_rows_than_panels_take_go_to_the_large_linear(kernel) -> None:
+    x, w = torch.randn(PANEL_MAX_ROWS + 1, 32), torch.randn(8, 32)
+    copies = panel_copies()
+    before = len(copies)
+    torch.testing.assert_close(kernel(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert len(copies) == before

@@ -33,21 +33,21 @@ def test_repacks_a_weight_written_in_place() -> None:
     x, w = torch.randn(16, 32), torch.randn(8, 32)
     linear = PackedLinear()
     with torch.inference_mode():
-        first = linear.packed(w)
-        assert linear.packed(w) is first
+        first = linear.copies.get(w)
+        assert linear.copies.get(w) is first
         w.mul_(2)
         torch.testing.assert_close(linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
-    assert linear.packed(w) is not first
+    assert linear.copies.get(w) is not first
 
 
 def test_forgets_a_dead_weight() -> None:
     linear = PackedLinear()
     w = torch.randn(8, 32)
     with torch.inference_mode():
-        linear.packed(w)
-    assert len(linear._packed) == 1
+        linear.copies.get(w)
+    assert len(linear.copies) == 1
     del w
-    assert not linear._packed
+    assert not len(linear.copies)
 
 
 def test_leaves_emulated_bf16_and_autograd_to_f_linear() -> None:
@@ -73,8 +73,8 @@ def test_a_weight_over_the_budget_runs_f_linear() -> None:
     linear = PackedLinear(budget=budget)
     x, w1, w2 = torch.randn(16, 32), torch.randn(8, 32), torch.randn(8, 32)
     with torch.inference_mode():
-        assert linear.packed(w1) is not None
-        assert linear.packed(w2) is None
+        assert linear.copies.get(w1) is not None
+        assert linear.copies.get(w2) is None
         torch.testing.assert_close(linear(x, w2, None), F.linear(x, w2), atol=1e-4, rtol=1e-5)
         del w1  # its copy's bytes come back
-        assert linear.packed(w2) is not None
+        assert linear.copies.get(w2) is not None

@@ -16,11 +16,12 @@ from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.layer import attention_layers, bind_kv_caches
 from pagedserve.layers.cpu_pack_budget import PackBudget
 from pagedserve.layers.linear import UNQUANTIZED
+from pagedserve.layers.panel_pack import PANEL_MIN_ROWS, panel_pack
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
+from pagedserve.layers.weight_copies import WeightCopies
 from pagedserve.model import cpu_decode
 from pagedserve.model.cpu_decode import (
     MAX_FP32_ROWS,
-    PANEL_MIN_ROWS,
     CpuDecodeForward,
     load_decode_step,
     unsupported_reason,
@@ -104,10 +105,12 @@ def test_batches_on_packed_weights(case: str, tmp_path) -> None:
 def test_batches_without_room_for_packed_weights_read_the_plain_ones(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
-    monkeypatch.setattr(cpu_decode, "pack_budget", lambda: PackBudget(lambda: 0))
+    no_room = WeightCopies(panel_pack, "linear's panels", PackBudget(lambda: 0))
+    monkeypatch.setattr(cpu_decode, "panel_copies", lambda: no_room)
     fused = _compare(our_tiny_model("llama", tmp_path), _panel_prompts(), atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
-    assert fused.c_forward._panels is not None and not any(fused.c_forward._panels)
+    panels = fused.c_forward._panels
+    assert panels is not None and all(p is None for layer in panels for p in layer)
 
 
 def test_bf16_batches_on_packed_weights_stay_close(tmp_path) -> None:
