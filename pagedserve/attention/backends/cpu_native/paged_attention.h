@@ -224,9 +224,10 @@ ALWAYS_INLINE __m512 span_dots(const void *q, const void *key, int64_t stride, i
         for (int64_t d = 0; d < dim; d += 32) {
             const __m512bh qd = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + d);
 #pragma GCC unroll 16
-            for (int t = 0; t < SPAN; t++)
-                acc[t] = _mm512_dpbf16_ps(acc[t], qd,
-                                          (__m512bh)_mm512_loadu_si512((const uint16_t *)row[t] + d));
+            for (int t = 0; t < SPAN; t++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512((const uint16_t *)row[t] + d);
+                acc[t] = _mm512_dpbf16_ps(acc[t], qd, k);
+            }
         }
         return sum16(acc);
     }
@@ -236,7 +237,8 @@ ALWAYS_INLINE __m512 span_dots(const void *q, const void *key, int64_t stride, i
     for (int64_t d = 0; d < dim; d += 16) {
         const __m512 qd = _mm512_loadu_ps((const float *)q + d);
 #pragma GCC unroll 16
-        for (int t = 0; t < SPAN; t++) acc[t] = _mm512_fmadd_ps(qd, load16(row[t], d, is_bf16), acc[t]);
+        for (int t = 0; t < SPAN; t++)
+            acc[t] = _mm512_fmadd_ps(qd, load16(row[t], d, is_bf16), acc[t]);
     }
     return sum16(acc);
 }
@@ -253,7 +255,8 @@ ALWAYS_INLINE void span_scores(const Work *w, const int32_t *table, int64_t seq_
     for (int64_t t0 = 0; t0 < seq_len;) {
         if (t0 % w->block_size == 0) { /* keys of the next block, or the values' first one */
             const int64_t ahead = t0 + PREFETCH_BLOCKS * w->block_size;
-            const int64_t past = ahead - (seq_len + w->block_size - 1) / w->block_size * w->block_size;
+            const int64_t blocks = (seq_len + w->block_size - 1) / w->block_size;
+            const int64_t past = ahead - blocks * w->block_size;
             if (past < 0) prefetch_block(w, w->key_cache, table, ahead, seq_len, is_bf16);
             else prefetch_block(w, w->value_cache, table, past, seq_len, is_bf16);
         }
@@ -319,7 +322,8 @@ ALWAYS_INLINE void span_values(const Work *w, const int32_t *table, int64_t seq_
     memset(acc, 0, (size_t)(w->num_heads * dim) * sizeof(float));
     for (int64_t t0 = 0; t0 < seq_len;) {
         if (t0 % w->block_size == 0)
-            prefetch_block(w, w->value_cache, table, t0 + PREFETCH_BLOCKS * w->block_size, seq_len, is_bf16);
+            prefetch_block(w, w->value_cache, table, t0 + PREFETCH_BLOCKS * w->block_size, seq_len,
+                           is_bf16);
         const Span s = span_at(w, table, t0, seq_len);
         for (int64_t g = 0; g < w->num_kv_heads; g++) {
             const char *v = (const char *)w->value_cache + (s.at + g * dim) * elem;
@@ -340,8 +344,8 @@ ALWAYS_INLINE void span_values(const Work *w, const int32_t *table, int64_t seq_
 #endif
 
 /* buf floats: num_heads * dim (q) + num_heads * dim (acc) + block_size * num_kv_heads * dim
- * (rows) + num_heads * seq_len (probs). dim and is_bf16 are compile-time constants at every
- * call site (see run_task). */
+ * (rows: the plain path's fp32 copy of a block) + num_heads * seq_len (probs). dim and is_bf16
+ * are compile-time constants at every call site (see run_task). */
 ALWAYS_INLINE void task_body(const Work *w, int64_t req, float *buf, const int64_t dim,
                              const int is_bf16) {
     const int64_t seq_len = w->seq_lens[req];
@@ -353,9 +357,10 @@ ALWAYS_INLINE void task_body(const Work *w, int64_t req, float *buf, const int64
 #if defined(__AVX512F__)
     if (dim % 16 == 0) {
         const int dp = HAVE_DPBF16 && is_bf16 && dim % 32 == 0;
-        const void *query = (const char *)w->query + w->rows[req] * w->query_row_stride * (is_bf16 ? 2 : 4);
+        const int64_t at = w->rows[req] * w->query_row_stride;
+        const void *query = (const char *)w->query + at * (is_bf16 ? 2 : 4);
         if (!dp) { /* fp32 for the fused multiply-adds */
-            load_row(w->query, w->rows[req] * w->query_row_stride, q, w->num_heads * dim, is_bf16);
+            load_row(w->query, at, q, w->num_heads * dim, is_bf16);
             query = q;
         }
         span_scores(w, table, seq_len, query, w->scale, probs, dim, is_bf16, dp);
