@@ -1,7 +1,8 @@
 """The CPU backend's native decode kernel (``cpu_native/paged_decode.c``) against the torch
-reference: head sizes with their own compiled copy (64, 128) and the generic loop (8, 96),
-GQA groups, bf16 and fp32, shuffled blocks, several threads, strided query rows; its
-argument checks; and the fallback when no compiler can build it.
+reference: head sizes with their own compiled copy (64, 128) and the generic loop (8, 80, 96),
+GQA groups, bf16 and fp32, shuffled blocks, block sizes other than 16, builds for CPUs
+without AVX512 or AVX512-BF16, several threads, strided query rows; its argument checks; and
+the fallback when no compiler can build it.
 
 The dense-reference cases of ``test_torch_ref.py`` run through this backend too.
 """
@@ -9,6 +10,7 @@ The dense-reference cases of ``test_torch_ref.py`` run through this backend too.
 from __future__ import annotations
 
 import logging
+import platform
 import random
 import subprocess
 import sys
@@ -27,18 +29,19 @@ BLOCK_SIZE = 16
 
 
 def _decode_batch(
-    seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    block_size: int = BLOCK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random keys in shuffled blocks and one query row per request: (query, kv_cache, metadata)."""
     rng = random.Random(sum(seq_lens) + head_dim)
-    width = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 1
+    width = max(-(-n // block_size) for n in seq_lens) + 1
     free = list(range(len(seq_lens) * width + 3))
     rng.shuffle(free)
     table = []
     for n in seq_lens:
-        blocks = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        blocks = [free.pop() for _ in range(-(-n // block_size))]
         table.append(blocks + [-1] * (width - len(blocks)))  # past the end: never read
-    kv_cache = torch.randn(2, len(free) + len(seq_lens) * width, BLOCK_SIZE, num_kv_heads, head_dim)
+    kv_cache = torch.randn(2, len(free) + len(seq_lens) * width, block_size, num_kv_heads, head_dim)
     query = torch.randn(len(seq_lens), num_heads, head_dim)
     metadata = AttentionMetadata(
         num_reqs=len(seq_lens),
@@ -72,6 +75,52 @@ def test_decode_matches_the_torch_reference(
     expected = _run(TorchRefBackend(), query, kv_cache, metadata)
     got = _run(CpuBackend(KERNEL), query, kv_cache, metadata)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [8, 24, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(12, 2, 80), (10, 2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_sizes_and_wide_groups(
+    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """The vector path reads a block as runs of up to 16 tokens and sums values for up to four
+    heads of a group at a time: blocks shorter, longer and not a multiple of 16, groups of 5
+    and 6 (a partial head tile), head_dim 80 (16 columns past the 64-column tiles; bf16 keys
+    widened, not the dot-product instruction)."""
+    seq_lens = [1, block_size, block_size + 1, 150, 31]
+    query, kv_cache, metadata = _decode_batch(
+        seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size)
+    expected = _run(TorchRefBackend(), query, kv_cache, metadata)
+    got = _run(CpuBackend(KERNEL), query, kv_cache, metadata)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _cpu_has(flag: str) -> bool:
+    return f" {flag} " in cpu_native._cpu_flags() + " "
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 -march names")
+@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_builds_for_other_cpus(
+    march: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, tmp_path  # noqa: ANN001
+) -> None:
+    """The kernel built without AVX512 (the plain-C loops) and with AVX512 but no AVX512-BF16
+    (bf16 keys widened in registers) gives the torch reference's result too."""
+    if march == "skylake-avx512" and not _cpu_has("avx512bw"):
+        pytest.skip("this CPU cannot run AVX512 code")
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_native.COMPILE_FLAGS]
+    monkeypatch.setattr(cpu_native, "COMPILE_FLAGS", flags)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernel = cpu_native.PagedDecodeKernel(cpu_native.built_library(cpu_native.SOURCE))
+    query, kv_cache, metadata = _decode_batch([1, 16, 17, 90], 9, 3, 64, dtype)
+    expected = _run(TorchRefBackend(), query, kv_cache, metadata)
+    got = _run(CpuBackend(kernel), query, kv_cache, metadata)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 

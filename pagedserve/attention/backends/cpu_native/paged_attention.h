@@ -31,15 +31,6 @@ typedef struct {
 
 #if defined(__AVX512BF16__)
 #define HAVE_DPBF16 1
-/* a . b over dim bf16 values (dim a multiple of 32) with the CPU's bf16 dot-product
- * instruction: products exact, sums in fp32, no widening pass. */
-ALWAYS_INLINE float dot_bf16(const uint16_t *a, const uint16_t *b, const int64_t dim) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d),
-                               (__m512bh)_mm512_loadu_si512(b + d));
-    return _mm512_reduce_add_ps(acc);
-}
 #else
 #define HAVE_DPBF16 0
 #endif
@@ -96,22 +87,6 @@ ALWAYS_INLINE void widened_scores(const Work *w, const int32_t *table, int64_t s
         }
     }
 }
-
-#if HAVE_DPBF16
-/* The same scores from the bf16 query and keys as stored (dim a multiple of 32): no widening. */
-static void bf16_scores(const Work *w, int64_t req, const int32_t *table, int64_t seq_len,
-                        float *scores) {
-    const int64_t group = w->num_heads / w->num_kv_heads, dim = w->head_dim;
-    const uint16_t *query = (const uint16_t *)w->query + w->rows[req] * w->query_row_stride;
-    for (int64_t t = 0; t < seq_len; t++) {
-        const uint16_t *key = (const uint16_t *)w->key_cache
-                              + table[t / w->block_size] * w->cache_block_stride
-                              + (t % w->block_size) * w->num_kv_heads * dim;
-        for (int64_t h = 0; h < w->num_heads; h++)
-            scores[h * seq_len + t] = w->scale * dot_bf16(query + h * dim, key + (h / group) * dim, dim);
-    }
-}
-#endif
 
 /* Each of the num_heads rows of seq_len scores becomes its softmax, in place. */
 static void softmax_rows(float *scores, int64_t num_heads, int64_t seq_len) {
@@ -171,9 +146,206 @@ ALWAYS_INLINE void weighted_values(const Work *w, const int32_t *table, int64_t 
     }
 }
 
+#if defined(__AVX512F__)
+/* The vector paths below: a block is read as runs of up to SPAN tokens (one lane per token). */
+#define SPAN 16
+/* Blocks read ahead, into L2: into L1 the requests fill its few miss buffers and stall. */
+#define PREFETCH_BLOCKS 2
+
+/* Tokens [t0, t0 + n) of a request: n <= SPAN, all in one block, starting at cache element
+ * `at` (their KV head 0). */
+typedef struct {
+    int64_t t0, n, at;
+} Span;
+
+ALWAYS_INLINE Span span_at(const Work *w, const int32_t *table, int64_t t0, int64_t seq_len) {
+    const int64_t in_block = t0 % w->block_size, left = w->block_size - in_block;
+    Span s = {t0, seq_len - t0 < left ? seq_len - t0 : left, 0};
+    s.n = s.n < SPAN ? s.n : SPAN;
+    s.at = table[t0 / w->block_size] * w->cache_block_stride
+           + in_block * w->num_kv_heads * w->head_dim;
+    return s;
+}
+
+/* Asks for the cache block of token t (if the request has one) ahead of its use: a request's
+ * blocks are scattered through the cache, so the hardware prefetcher cannot guess the next. */
+ALWAYS_INLINE void prefetch_block(const Work *w, const void *cache, const int32_t *table,
+                                  int64_t t, int64_t seq_len, const int is_bf16) {
+    if (t >= seq_len) return;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    const char *p = (const char *)cache + table[t / w->block_size] * w->cache_block_stride * elem;
+    const int64_t bytes = w->block_size * w->num_kv_heads * w->head_dim * elem;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
+/* 16 values from base[i:] (bf16 widened by a shift, or fp32) as fp32. */
+ALWAYS_INLINE __m512 load16(const void *base, int64_t i, const int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+/* Lane t = the sum of the 16 lanes of a[t]: a transpose-add tree (45 operations for the 16
+ * sums, where 16 full horizontal reductions would take several times that). */
+ALWAYS_INLINE __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the four tokens' partial sums */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) /* the four 128-bit lanes of c[i] added in pairs */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Lane t < n = q . key row t (rows `stride` elements apart from key[0]); lanes past n repeat
+ * row n - 1, so that every accumulator stays a register whatever n. `q` is the bf16 query
+ * head with `dp` (dim a multiple of 32: the bf16 dot-product instruction), else fp32. */
+ALWAYS_INLINE __m512 span_dots(const void *q, const void *key, int64_t stride, int64_t n,
+                               const int64_t dim, const int is_bf16, const int dp) {
+    __m512 acc[SPAN];
+    const void *row[SPAN];
+#pragma GCC unroll 16
+    for (int t = 0; t < SPAN; t++) {
+        acc[t] = _mm512_setzero_ps();
+        row[t] = (const char *)key + (t < n ? t : n - 1) * stride * (is_bf16 ? 2 : 4);
+    }
+#if HAVE_DPBF16
+    if (dp) {
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512bh qd = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + d);
+#pragma GCC unroll 16
+            for (int t = 0; t < SPAN; t++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512((const uint16_t *)row[t] + d);
+                acc[t] = _mm512_dpbf16_ps(acc[t], qd, k);
+            }
+        }
+        return sum16(acc);
+    }
+#else
+    (void)dp;
+#endif
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 qd = _mm512_loadu_ps((const float *)q + d);
+#pragma GCC unroll 16
+        for (int t = 0; t < SPAN; t++)
+            acc[t] = _mm512_fmadd_ps(qd, load16(row[t], d, is_bf16), acc[t]);
+    }
+    return sum16(acc);
+}
+
+/* scores[h][t] = scale * q[h] . key[t][h / group] for every token, a span of up to 16 tokens
+ * at a time: a KV head's keys of the span stay in L1 while its group's query heads read them.
+ * q: the bf16 query with `dp`, else fp32 (bf16 keys widened in registers). */
+ALWAYS_INLINE void span_scores(const Work *w, const int32_t *table, int64_t seq_len,
+                               const void *q, float scale, float *scores, const int64_t dim,
+                               const int is_bf16, const int dp) {
+    const int64_t group = w->num_heads / w->num_kv_heads, stride = w->num_kv_heads * dim;
+    const int64_t qelem = dp ? 2 : 4, kelem = is_bf16 ? 2 : 4;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < seq_len;) {
+        if (t0 % w->block_size == 0) { /* keys of the next block, or the values' first one */
+            const int64_t ahead = t0 + PREFETCH_BLOCKS * w->block_size;
+            const int64_t blocks = (seq_len + w->block_size - 1) / w->block_size;
+            const int64_t past = ahead - blocks * w->block_size;
+            if (past < 0) prefetch_block(w, w->key_cache, table, ahead, seq_len, is_bf16);
+            else prefetch_block(w, w->value_cache, table, past, seq_len, is_bf16);
+        }
+        const Span s = span_at(w, table, t0, seq_len);
+        const __mmask16 lanes = (__mmask16)((1u << s.n) - 1);
+        for (int64_t h = 0; h < w->num_heads; h++) {
+            const char *key = (const char *)w->key_cache + (s.at + (h / group) * dim) * kelem;
+            const __m512 dots = span_dots((const char *)q + h * dim * qelem, key, stride, s.n,
+                                          dim, is_bf16, dp);
+            _mm512_mask_storeu_ps(scores + h * seq_len + t0, lanes, _mm512_mul_ps(dots, sc));
+        }
+        t0 += s.n;
+    }
+}
+
+/* acc[h][0 : 16 wv] += sum over t < n of p[h][t] v[t][0 : 16 wv] for the heads < ht (acc rows
+ * dim apart, p rows seq_len apart, v rows stride apart): the sums stay in registers over the
+ * span, and each value vector, widened once, serves all ht heads. */
+ALWAYS_INLINE void value_tile(float *acc, const float *p, const void *v, int64_t n,
+                              int64_t stride, int64_t seq_len, const int64_t dim, const int ht,
+                              const int wv, const int is_bf16) {
+    __m512 sum[4][4]; /* [ht][wv] used */
+#pragma GCC unroll 4
+    for (int h = 0; h < ht; h++)
+#pragma GCC unroll 4
+        for (int c = 0; c < wv; c++) sum[h][c] = _mm512_loadu_ps(acc + h * dim + 16 * c);
+    for (int64_t t = 0; t < n; t++) {
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < wv; c++) x[c] = load16(v, t * stride + 16 * c, is_bf16);
+#pragma GCC unroll 4
+        for (int h = 0; h < ht; h++) {
+            const __m512 weight = _mm512_set1_ps(p[h * seq_len + t]);
+#pragma GCC unroll 4
+            for (int c = 0; c < wv; c++) sum[h][c] = _mm512_fmadd_ps(weight, x[c], sum[h][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < ht; h++)
+#pragma GCC unroll 4
+        for (int c = 0; c < wv; c++) _mm512_storeu_ps(acc + h * dim + 16 * c, sum[h][c]);
+}
+
+/* value_tile over all of dim (a multiple of 16): 64 columns at a time, then 16. */
+ALWAYS_INLINE void value_heads(float *acc, const float *p, const char *v, int64_t n,
+                               int64_t stride, int64_t seq_len, const int64_t dim, const int ht,
+                               const int is_bf16) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    int64_t c = 0;
+    for (; c + 64 <= dim; c += 64)
+        value_tile(acc + c, p, v + c * elem, n, stride, seq_len, dim, ht, 4, is_bf16);
+    for (; c < dim; c += 16)
+        value_tile(acc + c, p, v + c * elem, n, stride, seq_len, dim, ht, 1, is_bf16);
+}
+
+/* acc[h] = sum over t of probs[h][t] * value[t][h / group] (dim a multiple of 16), a span at
+ * a time, up to four heads of a group per value load. */
+ALWAYS_INLINE void span_values(const Work *w, const int32_t *table, int64_t seq_len,
+                               const float *probs, float *acc, const int64_t dim,
+                               const int is_bf16) {
+    const int64_t group = w->num_heads / w->num_kv_heads, stride = w->num_kv_heads * dim;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    memset(acc, 0, (size_t)(w->num_heads * dim) * sizeof(float));
+    for (int64_t t0 = 0; t0 < seq_len;) {
+        if (t0 % w->block_size == 0)
+            prefetch_block(w, w->value_cache, table, t0 + PREFETCH_BLOCKS * w->block_size, seq_len,
+                           is_bf16);
+        const Span s = span_at(w, table, t0, seq_len);
+        for (int64_t g = 0; g < w->num_kv_heads; g++) {
+            const char *v = (const char *)w->value_cache + (s.at + g * dim) * elem;
+            for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+                float *a = acc + h * dim;
+                const float *p = probs + h * seq_len + t0;
+                switch ((g + 1) * group - h) { /* a copy per tile height: sums in registers */
+                case 1: value_heads(a, p, v, s.n, stride, seq_len, dim, 1, is_bf16); break;
+                case 2: value_heads(a, p, v, s.n, stride, seq_len, dim, 2, is_bf16); break;
+                case 3: value_heads(a, p, v, s.n, stride, seq_len, dim, 3, is_bf16); break;
+                default: value_heads(a, p, v, s.n, stride, seq_len, dim, 4, is_bf16);
+                }
+            }
+        }
+        t0 += s.n;
+    }
+}
+#endif
+
 /* buf floats: num_heads * dim (q) + num_heads * dim (acc) + block_size * num_kv_heads * dim
- * (rows) + num_heads * seq_len (probs). dim and is_bf16 are compile-time constants at every
- * call site (see run_task). */
+ * (rows: the plain path's fp32 copy of a block) + num_heads * seq_len (probs). dim and is_bf16
+ * are compile-time constants at every call site (see run_task). */
 ALWAYS_INLINE void task_body(const Work *w, int64_t req, float *buf, const int64_t dim,
                              const int is_bf16) {
     const int64_t seq_len = w->seq_lens[req];
@@ -182,16 +354,25 @@ ALWAYS_INLINE void task_body(const Work *w, int64_t req, float *buf, const int64
     float *probs = rows + w->block_size * w->num_kv_heads * dim;
     if (seq_len <= 0) return;
 
-#if HAVE_DPBF16
-    if (is_bf16 && dim % 32 == 0) {
-        bf16_scores(w, req, table, seq_len, probs);
-    } else
-#endif
-    {
-        load_row(w->query, w->rows[req] * w->query_row_stride, q, w->num_heads * dim, is_bf16);
-        for (int64_t i = 0; i < w->num_heads * dim; i++) q[i] *= w->scale;
-        widened_scores(w, table, seq_len, q, probs, rows, dim, is_bf16);
+#if defined(__AVX512F__)
+    if (dim % 16 == 0) {
+        const int dp = HAVE_DPBF16 && is_bf16 && dim % 32 == 0;
+        const int64_t at = w->rows[req] * w->query_row_stride;
+        const void *query = (const char *)w->query + at * (is_bf16 ? 2 : 4);
+        if (!dp) { /* fp32 for the fused multiply-adds */
+            load_row(w->query, at, q, w->num_heads * dim, is_bf16);
+            query = q;
+        }
+        span_scores(w, table, seq_len, query, w->scale, probs, dim, is_bf16, dp);
+        softmax_rows(probs, w->num_heads, seq_len);
+        span_values(w, table, seq_len, probs, acc, dim, is_bf16);
+        store_row(w->output, w->rows[req] * w->output_row_stride, acc, w->num_heads * dim, is_bf16);
+        return;
     }
+#endif
+    load_row(w->query, w->rows[req] * w->query_row_stride, q, w->num_heads * dim, is_bf16);
+    for (int64_t i = 0; i < w->num_heads * dim; i++) q[i] *= w->scale;
+    widened_scores(w, table, seq_len, q, probs, rows, dim, is_bf16);
     softmax_rows(probs, w->num_heads, seq_len);
     weighted_values(w, table, seq_len, probs, acc, rows, dim, is_bf16);
     store_row(w->output, w->rows[req] * w->output_row_stride, acc, w->num_heads * dim, is_bf16);

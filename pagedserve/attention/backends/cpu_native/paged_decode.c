@@ -17,7 +17,11 @@
  * propagation (a NaN input gives an unspecified row).
  *
  * One task is one request (all its heads: a cache block [block_size, Hkv, D] is read as one
- * contiguous run); `num_threads` OpenMP threads share the requests.
+ * contiguous run); `num_threads` OpenMP threads share the requests. With AVX512 and D a
+ * multiple of 16, a block is read as runs of up to 16 tokens: one score vector of 16 tokens per
+ * query head, values summed straight from the cache for up to four heads of a group per load,
+ * and the cache blocks two ahead prefetched (a request's blocks are scattered); other builds
+ * and head sizes take plain loops over an fp32 copy of each block.
  */
 #include <stdint.h>
 
