@@ -17,7 +17,10 @@ first. Every run also reports its start-up (process start to a ready ``LLM``, im
 included) and the peak memory of its process tree (resident set, sampled every 0.2 s). Both
 engines get the same thread count (``--threads``, default every core this process may use):
 ``OMP_NUM_THREADS`` for pagedserve (which then leaves the count alone), the same and
-``VLLM_CPU_OMP_THREADS_BIND`` (cores ``0-(N-1)`` of this process's set) for vLLM.
+``VLLM_CPU_OMP_THREADS_BIND`` (cores ``0-(N-1)`` of this process's set) for vLLM. With
+``--own-threads`` each engine runs as a user starts it: vLLM bound to every core, pagedserve
+without ``OMP_NUM_THREADS`` (its thread rule follows the other processes' load), the case to
+measure beside a busy process.
 
 Each run's figures go, one JSON line each, to ``benchmarks/results/DATE-cpu-vs-vllm-WORKLOAD/
 runs.jsonl``; the script prints each figure and pagedserve / vLLM (for ms per token:
@@ -92,6 +95,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default="pagedserve,vllm",
                    help="which engines run (one alone: no ratio)")
     p.add_argument("--threads", type=int, default=0, help="0: every core this process may use")
+    p.add_argument("--own-threads", action="store_true",
+                   help="each engine as a user starts it: pagedserve without OMP_NUM_THREADS "
+                   "(its load-following thread rule), vLLM bound to every core")
     p.add_argument("--repeats", type=int, default=2, help="runs per engine (order ABBA...)")
     p.add_argument("--quick", action="store_true",
                    help="fewer prompts (16 / 1 x 64 out / 64), one run per engine")
@@ -237,9 +243,14 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
-def child_env(engine: str, threads: int) -> dict[str, str]:
+def child_env(engine: str, threads: int, own_threads: bool = False) -> dict[str, str]:
+    """The child's environment: ``threads`` OpenMP threads each (vLLM's bound to the first
+    ``threads`` cores); with ``own_threads``, pagedserve gets no OMP_NUM_THREADS (its own rule
+    chooses) and ``threads`` should be every core."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TRITON_INTERPRET", None)
+    if own_threads and engine == "pagedserve":
+        env.pop("OMP_NUM_THREADS")
     if engine == "vllm":
         cores = sorted(os.sched_getaffinity(0))[:threads]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
@@ -250,12 +261,13 @@ def child_env(engine: str, threads: int) -> dict[str, str]:
     return env
 
 
-def run_in_child(python: str, engine: str, spec: dict[str, Any], threads: int) -> dict[str, Any]:
+def run_in_child(python: str, engine: str, spec: dict[str, Any], threads: int,
+                 own_threads: bool = False) -> dict[str, Any]:
     """Run ``run_one`` in a fresh interpreter; sample its process tree's memory meanwhile."""
     out = Path(tempfile.mkstemp(suffix=".json")[1])  # vLLM logs to stdout: figures go here
     cmd = [python, str(Path(__file__).resolve()), "--run-one", engine, "--spec", json.dumps(spec),
            "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=child_env(engine, threads))
+    proc = subprocess.Popen(cmd, env=child_env(engine, threads, own_threads))
     peak = [0]
 
     def sample() -> None:
@@ -309,12 +321,15 @@ def drive(args: argparse.Namespace) -> None:
     engines = args.engines.split(",")
     vllm_python = str(ensure_vllm_venv(args.vllm_venv)) if "vllm" in engines else ""
     ensure_hf_folder(args.hf_folder)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    threads = len(os.sched_getaffinity(0)) if args.own_threads else (
+        args.threads or len(os.sched_getaffinity(0)))
     table = QUICK if args.quick else WORKLOADS
     repeats = 1 if args.quick else args.repeats
     pythons = {"pagedserve": sys.executable, "vllm": vllm_python}
     date = datetime.date.today().isoformat()
-    print(f"{threads} threads each; load average {os.getloadavg()[0]:.2f}", flush=True)
+    each = "vLLM on every core, pagedserve its own rule" if args.own_threads else (
+        f"{threads} threads each")
+    print(f"{each}; load average {os.getloadavg()[0]:.2f}", flush=True)
     lines = []
     for name in args.workloads.split(","):
         work = table[name]
@@ -325,8 +340,9 @@ def drive(args: argparse.Namespace) -> None:
             for engine in engine_order(repeats, args.engines.split(",")):
                 spec = {"folder": str(args.hf_folder), "dtype": dtype,
                         "workload": work.__dict__}
-                result = run_in_child(pythons[engine], engine, spec, threads)
-                result.update(engine=engine, dtype=dtype, threads=threads, **work.__dict__)
+                result = run_in_child(pythons[engine], engine, spec, threads, args.own_threads)
+                used = "own" if args.own_threads and engine == "pagedserve" else threads
+                result.update(engine=engine, dtype=dtype, threads=used, **work.__dict__)
                 print(f"  {json.dumps(result)}", flush=True)
                 with open(folder / "runs.jsonl", "a") as f:
                     f.write(json.dumps(result) + "\n")
