@@ -1,13 +1,19 @@
 /* Row-wise kernels of the torch layers on the CPU, for steps of many rows (prompts): RMSNorm
- * with the residual add, SiLU-and-mul, and the rotary embedding with the KV-cache write. Each
+ * with the residual add, SiLU-and-mul, and the rotary embedding with the KV-cache write; and the
+ * argmax of logit rows for greedy sampling. Each
  * is one pass over its rows where the torch code is several ops, each a pass with a cast; they
  * round as the torch code does (row_ops.h, shared with the decode step in model/cpu_decode.c).
  *
  * Tensors are bf16 or fp32 (`is_bf16`), all of one dtype; rows may be strided (a given row
  * stride, in elements), each row contiguous. Rows are split over `num_threads` threads.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_kernels.h"
 #include "row_ops.h"
@@ -133,4 +139,50 @@ int rope_write_kv_rows(const RopeRows *a, int is_bf16, int num_threads) {
         free(buf);
     }
     return failed;
+}
+
+/* The index of row r's largest value, the first where several are equal (torch.argmax's
+ * rule); n >= 1. AVX512: each lane keeps its largest value and where it was (a strictly
+ * larger value replaces it, so a lane keeps its first), then the lanes holding the maximum
+ * give their smallest index. Built with -ffast-math: a row with a NaN gets an unspecified
+ * index. */
+ALWAYS_INLINE int64_t argmax_row(const void *x, int64_t at, int64_t n, int is_bf16) {
+    int64_t i = 0, best_i = 0;
+    float best = load(x, at, is_bf16);
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 max = _mm512_set1_ps(-INFINITY);
+        __m512i where = _mm512_setzero_si512();
+        __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = is_bf16
+                ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                      (const __m256i *)((const uint16_t *)x + at + i))), 16))
+                : _mm512_loadu_ps((const float *)x + at + i);
+            const __mmask16 larger = _mm512_cmp_ps_mask(v, max, _CMP_GT_OQ);
+            max = _mm512_mask_blend_ps(larger, max, v);
+            where = _mm512_mask_blend_epi32(larger, where, index);
+            index = _mm512_add_epi32(index, step);
+        }
+        best = _mm512_reduce_max_ps(max);
+        const __mmask16 holders = _mm512_cmp_ps_mask(max, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_i = _mm512_mask_reduce_min_epi32(holders, where);
+    }
+#endif
+    for (; i < n; i++) { /* the tail, or the whole row without AVX512 */
+        const float v = load(x, at + i, is_bf16);
+        if (v > best) best = v, best_i = i;
+    }
+    return best_i;
+}
+
+/* out[r] = argmax of row r of x [m, n] (row stride x_stride), for greedy sampling: torch's CPU
+ * argmax reads the row several times slower than this. int32 indices in the vector part: n
+ * below 2^31. */
+void argmax_rows(const void *x, int64_t x_stride, int64_t m, int64_t n, int is_bf16,
+                 int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m > 1)
+    for (int64_t r = 0; r < m; r++)
+        out[r] = is_bf16 ? argmax_row(x, r * x_stride, n, 1) : argmax_row(x, r * x_stride, n, 0);
 }

@@ -1,6 +1,6 @@
 """Row-wise C kernels for the torch layers on the CPU (``cpu_rows.c``): RMSNorm with the residual
 add, SiLU-and-mul, and the rotary embedding with the KV-cache write, each one pass over the
-step's rows.
+step's rows; and the argmax of logit rows for greedy sampling.
 
 Why: on a prompt of 2,048 rows, the torch code of these layers is several ops per layer, each a
 pass over ``[rows, hidden]`` or ``[rows, intermediate]`` with casts between bf16 and fp32, and
@@ -55,6 +55,8 @@ def _library() -> ctypes.CDLL | None:
     lib.rope_write_kv_rows.argtypes = [ctypes.POINTER(_RopeRows), _int, _int]
     for fn in (lib.add_rms_norm_rows, lib.silu_and_mul_rows, lib.rope_write_kv_rows):
         fn.restype = _int
+    lib.argmax_rows.argtypes = [_p, _i64, _i64, _i64, _int, _p, _int]
+    lib.argmax_rows.restype = None
     return lib
 
 
@@ -107,6 +109,22 @@ def silu_and_mul_rows(x: torch.Tensor) -> torch.Tensor | None:
     _call(lib.silu_and_mul_rows(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], d,
                                 int(x.dtype == torch.bfloat16), torch.get_num_threads()),
           "silu_and_mul_rows")
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x [m, n] -> int64 [m]: each row's index of its largest value, the first of equal ones
+    (torch.argmax's rule; a row with a NaN gets an unspecified index); None where the kernel
+    does not apply. torch's CPU argmax reads the rows several times slower
+    (docs/cpu.md#greedy-argmax)."""
+    if not (applies(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+            and 0 < x.shape[1] < 2**31):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)  # [m]
+    lib = _library()
+    assert lib is not None
+    lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                    int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pagedserve.layers import cpu_rows
 from pagedserve.sample.noise import gumbel_argmax, vocab_keys
 from pagedserve.sample.states import SamplingStates
 from pagedserve.sample.topk_topp import apply_min_p, apply_top_k, apply_top_k_top_p
@@ -57,9 +58,14 @@ def truncate(
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, V] -> int64 [rows]: argmax taken in fp32. The upcast is exact, so the index is the
-    same, and torch's CPU argmax over bf16 is slower than upcast + fp32 argmax
+    """[rows, V] -> int64 [rows]: on the CPU the row kernel's argmax (``cpu_rows.argmax_rows``),
+    elsewhere (or where it does not apply) argmax taken in fp32. The upcast is exact, so the
+    index is the same, and torch's CPU argmax over bf16 is slower than upcast + fp32 argmax
     (docs/cpu.md#greedy-argmax)."""
+    if logits.device.type == "cpu":
+        ids = cpu_rows.argmax_rows(logits)
+        if ids is not None:
+            return ids
     return logits.float().argmax(dim=-1)
 
 

@@ -105,3 +105,33 @@ def test_rope_refuses_a_slot_past_the_cache() -> None:
     fp16 = cpu_rows.rope_and_write_kv_rows(q.half(), k.half(), v.half(), torch.randn(2, 32).half(),
                                            cache.half(), torch.tensor([0, 1]))
     assert fp16 is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 16, 49, 49152])  # below, at and past a vector of 16
+def test_argmax_rows_matches_torch(dtype: torch.dtype, n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n + 3, generator=gen).to(dtype)[:, :n]  # strided rows
+    torch.testing.assert_close(cpu_rows.argmax_rows(x), x.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_takes_the_first_of_equal_maxima(dtype: torch.dtype) -> None:
+    """Ties in one lane, across lanes, between the vector part and the tail; a row of -inf."""
+    x = torch.zeros(4, 40, dtype=dtype)
+    x[0, [5, 21]] = 3.0  # lane 5, twice
+    x[1, [9, 6, 38]] = 2.0  # lanes 9 and 6 (first index wins, not first lane), and the tail
+    x[2, [37, 39]] = 1.0  # the tail only
+    x[3] = float("-inf")
+    assert cpu_rows.argmax_rows(x).tolist() == x.float().argmax(dim=-1).tolist() == [5, 6, 37, 0]
+
+
+def test_greedy_sampling_takes_the_kernel_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.sample import token_sampler
+
+    x = torch.randn(3, 100).to(torch.bfloat16)
+    calls = []
+    kernel = cpu_rows.argmax_rows
+    monkeypatch.setattr(cpu_rows, "argmax_rows", lambda t: calls.append(t) or kernel(t))
+    assert token_sampler.greedy_argmax(x).tolist() == x.float().argmax(dim=-1).tolist()
+    assert len(calls) == 1
