@@ -1,5 +1,6 @@
 /* Helpers shared by the CPU's C kernels (layers/cpu_gemv.c,
- * attention/backends/cpu_native/paged_decode.c, model/cpu_decode.c): bf16 <-> fp32.
+ * attention/backends/cpu_native/paged_decode.c, model/cpu_decode.c): bf16 <-> fp32, one value
+ * at a time and (AVX512) 16 at a time.
  *
  * bf16 is the top half of an fp32: widening is a shift (exact), narrowing rounds to nearest
  * even, as torch's casts do (a NaN stays a quiet NaN). The build hashes this header into the
@@ -30,5 +31,16 @@ static inline uint16_t float_to_bf16(float f) {
 
 /* f rounded to the nearest bf16, as an fp32: what a bf16 tensor would hold. */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 values from base[i:] as fp32: bf16 widened by a shift (exact), or fp32 as they are. */
+ALWAYS_INLINE __m512 load16(const void *base, int64_t i, const int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+#endif
 
 #endif

@@ -11,10 +11,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_kernels.h"
 #include "row_ops.h"
 
@@ -156,10 +152,7 @@ ALWAYS_INLINE int64_t argmax_row(const void *x, int64_t at, int64_t n, int is_bf
         __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512i step = _mm512_set1_epi32(16);
         for (; i + 16 <= n; i += 16) {
-            const __m512 v = is_bf16
-                ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                      (const __m256i *)((const uint16_t *)x + at + i))), 16))
-                : _mm512_loadu_ps((const float *)x + at + i);
+            const __m512 v = load16(x, at + i, is_bf16);
             const __mmask16 larger = _mm512_cmp_ps_mask(v, max, _CMP_GT_OQ);
             max = _mm512_mask_blend_ps(larger, max, v);
             where = _mm512_mask_blend_epi32(larger, where, index);

@@ -75,13 +75,6 @@ ALWAYS_INLINE void dots_f32(const float *x, const char *rows[GEMV_COLS], const i
         }
 }
 
-#if defined(__AVX512F__)
-ALWAYS_INLINE __m512 widen16(const uint16_t *p) { /* 16 bf16 -> fp32 */
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-#endif
-
 /* sums[r][j] = x[r] . w_j over k, for r < m, bf16 x (xb) and weights. */
 ALWAYS_INLINE void dots_bf16(const uint16_t *xb, const char *rows[GEMV_COLS], const int64_t m,
                              int64_t k, int interleave, float sums[GEMV_ROWS][GEMV_COLS]) {
@@ -111,9 +104,9 @@ ALWAYS_INLINE void dots_bf16(const uint16_t *xb, const char *rows[GEMV_COLS], co
 #else
     for (int j = 0; j < GEMV_COLS; j++)
         for (i = 0; i + 16 <= k; i += 16) {
-            const __m512 wv = widen16((const uint16_t *)rows[j] + i);
+            const __m512 wv = load16(rows[j], i, 1);
             for (int64_t r = 0; r < m; r++)
-                acc[r][j] = _mm512_fmadd_ps(widen16(xb + r * k + i), wv, acc[r][j]);
+                acc[r][j] = _mm512_fmadd_ps(load16(xb, r * k + i, 1), wv, acc[r][j]);
         }
 #endif
     for (int64_t r = 0; r < m; r++)

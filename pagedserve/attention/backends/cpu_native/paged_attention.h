@@ -178,13 +178,6 @@ ALWAYS_INLINE void prefetch_block(const Work *w, const void *cache, const int32_
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
-/* 16 values from base[i:] (bf16 widened by a shift, or fp32) as fp32. */
-ALWAYS_INLINE __m512 load16(const void *base, int64_t i, const int is_bf16) {
-    if (!is_bf16) return _mm512_loadu_ps((const float *)base + i);
-    const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
 /* Lane t = the sum of the 16 lanes of a[t]: a transpose-add tree (45 operations for the 16
  * sums, where 16 full horizontal reductions would take several times that). */
 ALWAYS_INLINE __m512 sum16(const __m512 *a) {
