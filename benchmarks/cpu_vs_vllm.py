@@ -105,7 +105,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # a child: engine name
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)  # a child's run, as JSON
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)  # a child's figures
-    return p.parse_args()
+    args = p.parse_args()
+    if args.own_threads and args.threads:
+        p.error("--own-threads: each engine chooses its threads; drop --threads")
+    return args
 
 
 # ---- one run, in a fresh process (either venv) ----
@@ -321,8 +324,7 @@ def drive(args: argparse.Namespace) -> None:
     engines = args.engines.split(",")
     vllm_python = str(ensure_vllm_venv(args.vllm_venv)) if "vllm" in engines else ""
     ensure_hf_folder(args.hf_folder)
-    threads = len(os.sched_getaffinity(0)) if args.own_threads else (
-        args.threads or len(os.sched_getaffinity(0)))
+    threads = args.threads or len(os.sched_getaffinity(0))
     table = QUICK if args.quick else WORKLOADS
     repeats = 1 if args.quick else args.repeats
     pythons = {"pagedserve": sys.executable, "vllm": vllm_python}

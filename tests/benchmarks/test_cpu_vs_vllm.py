@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.benchmarks.script_loader import loaded_script
 
 
@@ -22,3 +24,12 @@ def test_own_threads_leave_pagedserve_to_its_rule() -> None:
     assert "OMP_NUM_THREADS" not in ours
     assert theirs["OMP_NUM_THREADS"] == str(cores)
     assert len(theirs["VLLM_CPU_OMP_THREADS_BIND"].split(",")) == cores
+
+
+def test_own_threads_refuses_a_thread_count(monkeypatch) -> None:
+    with loaded_script("cpu_vs_vllm") as cvv:
+        monkeypatch.setattr("sys.argv", ["cpu_vs_vllm.py", "--own-threads", "--threads", "1"])
+        with pytest.raises(SystemExit):
+            cvv.parse_args()
+        monkeypatch.setattr("sys.argv", ["cpu_vs_vllm.py", "--own-threads"])
+        assert cvv.parse_args().own_threads
