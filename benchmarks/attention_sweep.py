@@ -2,19 +2,19 @@
 
     python benchmarks/attention_sweep.py --out DIR [--scenarios b64,b256,p8x1024,p4x2048]
 
-Decode batches of the headline workloads (b64: 64 requests at context 1024, the batch-64
-step; b256: 256 at 1500, the middle of 1000 x 1000/1000's decode; b256r: 256 at contexts
-uniform in 1000..2000, as that decode sees them; b16 and b128 at 1024) and prefill steps
-(p8x1024: 8 prompts of 1024 tokens, one step of 1000 x 1000/1000's prefill; p4x2048: one of
-1000 x 2048/128's; p2x8192 and p1x16384: long prompts), bf16 paged KV cache (``--block-size``,
-default 16, shuffled block tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel
-(splits 0 below) and the split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp
-count and pipeline depth listed below, as KV bytes read per second against the card's copy
-bandwidth. Prefill: the varlen kernel with query tiles of 64 and 128 rows, as causal
-attention FLOPs per second against the bf16 matmul peak. Each: median of 15 replays of a
-CUDA graph of 10 launches. Writes ``attention_sweep.json`` and ``best.json`` (the fastest
-shape per scenario). The launches the engine uses (``attention/backends/triton.py``:
-``SPLIT_KV_LAUNCH``, ``FEW_PAIRS_LAUNCH``, ``PREFILL_LAUNCH``) are this sweep's winners.
+Decode batches of the headline workloads (b64: 64 requests at context 1024, the batch-64 step;
+b256: 256 at 1500, the middle of 1000 x 1000/1000's decode; b256r: 256 at contexts uniform in
+1000..2000, as that decode sees them; b16 and b128 at 1024) and prefill steps (p8x1024: 8 prompts
+of 1024 tokens, one step of 1000 x 1000/1000's prefill; p4x2048: one of 1000 x 2048/128's; p2x8192
+and p1x16384: long prompts), bf16 paged KV cache (FP8 with ``--kv-cache-dtype fp8``; ``--block-
+size``, default 16, shuffled block tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel
+(splits 0 below) and the split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and
+pipeline depth listed below, as KV bytes read per second against the card's copy bandwidth.
+Prefill: the varlen kernel with query tiles of 64 and 128 rows, as causal attention FLOPs per
+second against the bf16 matmul peak. Each: median of 15 replays of a CUDA graph of 10 launches.
+Writes ``attention_sweep.json`` and ``best.json`` (the fastest shape per scenario). The launches
+the engine uses (``attention/backends/triton.py``: ``SPLIT_KV_LAUNCH``, ``FEW_PAIRS_LAUNCH``,
+``PREFILL_LAUNCH``) are this sweep's winners.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def graph_us(fn, launches: int = 10, reps: int = 15) -> float:
 
 
 def paged_batch(num_reqs: int, query_len: int, context, block_size: int = BLOCK,
-                dev: str = "cuda") -> dict:
+                cache_dtype: torch.dtype = torch.bfloat16, dev: str = "cuda") -> dict:
     """``num_reqs`` requests of ``query_len`` new tokens each at ``context`` tokens (the new
     ones included; a (low, high) pair: uniform in it), random keys and values in shuffled
     cache blocks."""
@@ -63,7 +63,7 @@ def paged_batch(num_reqs: int, query_len: int, context, block_size: int = BLOCK,
     return dict(
         query=torch.randn(num_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
         kv_cache=torch.randn(2, num_blocks, block_size, KV_HEADS, HEAD_DIM,
-                             dtype=torch.bfloat16, device=dev),
+                             dtype=torch.bfloat16, device=dev).to(cache_dtype),
         block_table=table.to(torch.int32),
         query_start_loc=torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32,
                                      device=dev),
@@ -99,7 +99,8 @@ def decode_variants() -> list[Variant]:
     out = [Variant(0, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
     launches = [KeyLoopLaunch(t, w, s) for t, w, s in
                 ((64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 4, 4), (128, 8, 3),
-                 (64, 4, 5), (128, 4, 5))]  # 5 stages: the first depth with 2 K/V buffers
+                 (64, 4, 5), (128, 4, 5), (256, 4, 2), (256, 8, 2), (256, 8, 3))]
+    # 5 stages: the first depth with 2 K/V buffers; 256-key tiles: for an FP8 cache
     return [*out, *(Variant(n, launch) for n, launch in itertools.product((1, 2, 4), launches))]
 
 
@@ -139,19 +140,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scenarios", default=",".join([*DECODE, "p8x1024", "p4x2048"]))
     parser.add_argument("--block-size", type=int, default=BLOCK, help="KV cache block size")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="auto: bf16 (the model's dtype); fp8: float8_e4m3fn, scales 1.0")
     args = parser.parse_args()
+    cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    cache_bytes = cache_dtype.itemsize
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     report, best = {}, {}
     for name in args.scenarios.split(","):
         if name in DECODE:  # bandwidth-bound: KV bytes read against the copy bandwidth
             num_reqs, context = DECODE[name]
-            b = paged_batch(num_reqs, 1, context, args.block_size)
-            work, ceiling, variants = (int(b["seq_lens"].sum()) * KV_HEADS * HEAD_DIM * 2 * 2,
+            b = paged_batch(num_reqs, 1, context, args.block_size, cache_dtype)
+            work, ceiling, variants = (int(b["seq_lens"].sum()) * KV_HEADS * HEAD_DIM * 2 * cache_bytes,
                                        COPY_BANDWIDTH, decode_variants())
         else:  # compute-bound: causal QK^T and PV FLOPs against the matmul peak
             num_reqs, context = PREFILL[name]
-            b = paged_batch(num_reqs, context, context, args.block_size)
+            b = paged_batch(num_reqs, context, context, args.block_size, cache_dtype)
             work, ceiling, variants = (num_reqs * 4.0 * HEADS * HEAD_DIM * context * (context + 1) / 2,
                                        MATMUL_PEAK, prefill_variants())
         default, ok = sweep(b, variants, work, ceiling)

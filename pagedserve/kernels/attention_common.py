@@ -6,7 +6,7 @@ Softmax runs in the log2 domain: scores are multiplied by ``scale * log2(e)`` an
 with ``exp2``; the running maximum ``m`` and sum ``l`` are kept in fp32, in that domain.
 
 An FP8 cache (float8e4nv) is written as ``value / scale`` saturated to +-448 (``to_cache``)
-and read back in registers: its elements widen exactly to the dot's dtype, the keys' scale is
+and read back in registers: its elements widen exactly to the dot's dtype (``gpu_dot_dtype``), the keys' scale is
 folded into ``qk_scale`` on the host and the values' multiplies the output once
 (``scale_values``), which is ``(p @ (v * v_scale))`` up to rounding. Whether the cache is FP8
 is the cache pointer's element type, known at compile time, so a cache in the model's dtype
@@ -98,7 +98,7 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    P_DTYPE: tl.constexpr,  # the query's dtype: the probabilities are rounded to it
+    P_DTYPE: tl.constexpr,  # gpu_dot_dtype: the probabilities are rounded to it
     MASKED: tl.constexpr,  # False: every key of every tile exists and every row sees it
 ):
     """Online-softmax steps over the key tiles ``[t, t + TILE_N)`` for ``t`` from
@@ -131,7 +131,7 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_head_ptr + v_row[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        # p is rounded to the query's dtype, as the GPU multiplies it (a no-op cast there).
+        # p is rounded to the dtype the GPU multiplies in (a no-op cast there).
         p = p.to(P_DTYPE).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
@@ -194,18 +194,26 @@ def attend_kv_range(
     return acc, m_i, l_i
 
 
-def dot_operand_dtype(tensor: torch.Tensor) -> tl.dtype:
-    """The dtype tl.dot multiplies in: the cache dtype on the GPU. The Triton interpreter's
-    tl.dot multiplies the raw bit patterns of bf16 (it has no bf16 arithmetic), so there bf16
-    operands are widened to fp32 first; bf16 -> fp32 is exact."""
-    if INTERPRETING and tensor.dtype == torch.bfloat16:
-        return tl.float32
-    return _TL_DTYPES[tensor.dtype]
-
-
-def query_dtype(query: torch.Tensor) -> tl.dtype:
-    """The query's dtype in Triton's terms (the kernels' ``P_DTYPE``)."""
+def gpu_dot_dtype(query: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
+    """The dtype tl.dot multiplies in on the GPU: the query's, except over an FP8 cache, where
+    a 16-bit query multiplies in fp16. Every cached element read is widened to the dot's dtype:
+    e4m3 widens to fp16 in one instruction per pair (``cvt.rn.f16x2.e4m3x2``), to bf16 only
+    through fp32. A bf16 query rounds to fp16 with more mantissa; only magnitudes past 65,504
+    (far beyond a rotated query's) would not fit. The probabilities are rounded to this dtype
+    too."""
+    if kv_cache.dtype == FP8_KV_DTYPE and query.dtype != torch.float32:
+        return tl.float16
     return _TL_DTYPES[query.dtype]
+
+
+def dot_operand_dtype(query: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
+    """The dtype the kernel's tl.dot gets: ``gpu_dot_dtype``, except in the Triton interpreter,
+    whose tl.dot multiplies the raw bit patterns of bf16 (it has no bf16 arithmetic): there bf16
+    operands are widened to fp32 first; bf16 -> fp32 is exact."""
+    dtype = gpu_dot_dtype(query, kv_cache)
+    if INTERPRETING and dtype == tl.bfloat16:
+        return tl.float32
+    return dtype
 
 
 def dot_precision(dtype: tl.dtype) -> str:

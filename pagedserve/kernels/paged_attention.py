@@ -26,7 +26,7 @@ from pagedserve.kernels.attention_common import (
     cache_scales,
     dot_operand_dtype,
     dot_precision,
-    query_dtype,
+    gpu_dot_dtype,
     scale_values,
 )
 
@@ -199,7 +199,7 @@ def paged_attention(
     head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     block_m = launch.query_rows(max_query_len, group_pad)
     block_q = block_m // group_pad
-    dot_dtype = dot_operand_dtype(query)
+    dot_dtype = dot_operand_dtype(query, kv_cache)
     k_scale, v_scale = cache_scales(kv_cache, k_scale, v_scale)
     grid = (num_actual_tokens // block_q + num_reqs, key_cache.shape[2])
     _paged_attention_kernel[grid](
@@ -211,6 +211,6 @@ def paged_attention(
         block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, TILE_N=launch.tile(head_dim_pad),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=query_dtype(query),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=gpu_dot_dtype(query, kv_cache),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip

@@ -29,7 +29,7 @@ from pagedserve.kernels.attention_common import (
     cache_scales,
     dot_operand_dtype,
     dot_precision,
-    query_dtype,
+    gpu_dot_dtype,
     scale_values,
 )
 from pagedserve.kernels.paged_attention import DEFAULT_LAUNCH, KeyLoopLaunch
@@ -206,7 +206,7 @@ def paged_attention_split_kv(
     group = num_heads // key_cache.shape[2]
     head_dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     tile_n = launch.tile(head_dim_pad)
-    dot_dtype = dot_operand_dtype(query)
+    dot_dtype = dot_operand_dtype(query, kv_cache)
     k_scale, v_scale = cache_scales(kv_cache, k_scale, v_scale)
     stats_shape = (num_reqs, num_heads, num_splits)
     device = query.device
@@ -225,7 +225,7 @@ def paged_attention_split_kv(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
         TILE_N=tile_n,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=query_dtype(query),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=gpu_dot_dtype(query, kv_cache),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits == 1:

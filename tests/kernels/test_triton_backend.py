@@ -15,10 +15,12 @@ from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.backends.triton import (
     FEW_PAIRS_LAUNCH,
+    PREFILL_LAUNCH,
     SPLIT_KV_LAUNCH,
     TritonBackend,
     choose_num_splits,
     decode_launch,
+    prefill_launch,
 )
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -128,8 +130,18 @@ def test_unsplit_decode_batch_runs_the_split_kv_kernel(
      (1, 528, FEW_PAIRS_LAUNCH)],  # batch 256 / batch 64 / 66 of 8 kv heads on 132 SMs
 )  # fmt: skip
 def test_decode_launch(num_splits: int, num_pairs: int, expected) -> None:
-    assert decode_launch(num_splits, num_pairs, 528) is expected
+    assert decode_launch(num_splits, num_pairs, 528, torch.bfloat16) is expected
     assert FEW_PAIRS_LAUNCH.tile_n == 64 and SPLIT_KV_LAUNCH.tile_n == 128
+
+
+@pytest.mark.parametrize("num_splits,num_pairs", [(2, 8), (1, 2048), (1, 512)])
+def test_an_fp8_cache_decodes_with_128_key_tiles(num_splits: int, num_pairs: int) -> None:
+    assert decode_launch(num_splits, num_pairs, 528, torch.float8_e4m3fn) is SPLIT_KV_LAUNCH
+
+
+def test_an_fp8_cache_prefills_with_128_row_query_tiles() -> None:
+    assert prefill_launch(torch.bfloat16) is PREFILL_LAUNCH
+    assert prefill_launch(torch.float8_e4m3fn).block_m == 128
 
 
 @pytest.mark.parametrize(

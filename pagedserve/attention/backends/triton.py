@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backends.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
-from pagedserve.kernels.attention_common import check_attention_args
+from pagedserve.kernels.attention_common import FP8_KV_DTYPE, check_attention_args
 from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
 from pagedserve.kernels.rope_kv_write import rope_and_write_kv
@@ -23,10 +23,14 @@ _PROGRAMS_PER_SM = 4
 # "Attention launches"). Every decode batch runs the split-KV kernel: with 128-key tiles when
 # it is split or its (request, kv head) pairs exceed the target programs, with 64-key tiles
 # when one segment per pair leaves SMs short of programs (then shorter tiles keep more
-# programs in flight). Batches with prefill rows run the varlen kernel.
+# programs in flight). Over an FP8 cache a 128-key tile holds the bytes of a 64-key one in
+# bf16, and it is the faster tile at every batch. Batches with prefill rows run the varlen
+# kernel; over an FP8 cache with 128-row query tiles, which widen each key tile once for twice
+# the rows.
 SPLIT_KV_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
 FEW_PAIRS_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=2)
 PREFILL_LAUNCH = KeyLoopLaunch(num_stages=2)
+FP8_PREFILL_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=3, block_m=128)
 # SM count assumed where no CUDA device tells its own (interpreter runs).
 _DEFAULT_SMS = 4
 
@@ -55,12 +59,19 @@ def choose_num_splits(
     return 1 << (wanted.bit_length() - 1)
 
 
-def decode_launch(num_splits: int, num_pairs: int, target_programs: int) -> KeyLoopLaunch:
+def decode_launch(
+    num_splits: int, num_pairs: int, target_programs: int, cache_dtype: torch.dtype
+) -> KeyLoopLaunch:
     """The split-KV kernel's key loop for a decode batch of ``num_pairs`` (request, kv head)
-    pairs cut into ``num_splits`` segments each."""
-    if num_splits > 1 or num_pairs > target_programs:
+    pairs cut into ``num_splits`` segments each, over a cache of ``cache_dtype``."""
+    if num_splits > 1 or num_pairs > target_programs or cache_dtype == FP8_KV_DTYPE:
         return SPLIT_KV_LAUNCH
     return FEW_PAIRS_LAUNCH
+
+
+def prefill_launch(cache_dtype: torch.dtype) -> KeyLoopLaunch:
+    """The varlen kernel's launch for batches with prefill rows."""
+    return FP8_PREFILL_LAUNCH if cache_dtype == FP8_KV_DTYPE else PREFILL_LAUNCH
 
 
 class TritonBackend:
@@ -122,7 +133,8 @@ class TritonBackend:
                 self.min_keys_per_split,
             )
             launch = decode_launch(
-                num_splits, metadata.num_reqs * num_kv_heads, self.target_programs
+                num_splits, metadata.num_reqs * num_kv_heads, self.target_programs,
+                kv_cache.dtype,
             )
             paged_attention_split_kv(
                 query, kv_cache, metadata.block_table, metadata.query_start_loc,
@@ -133,5 +145,5 @@ class TritonBackend:
         paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len, scale, output,
-            PREFILL_LAUNCH, kv_scales.k, kv_scales.v,
+            prefill_launch(kv_cache.dtype), kv_scales.k, kv_scales.v,
         )  # fmt: skip
