@@ -1,8 +1,9 @@
 """FP8 against bf16 on one GPU: the FP8 issue's targets side by side, from one command.
 
 ``python benchmarks/suite.py --out DIR --sections fp8`` (or ``python benchmarks/fp8_suite.py
---out DIR``) runs three engines, each in a fresh process so that one engine's memory cannot
-shrink the next one's KV budget, all with dummy weights, greedy, 0.9 of the card:
+--out DIR [--engines 8b.bf16,8b.fp8] [--max-num-seqs N]``) runs three engines (or those named),
+each in a fresh process so that one engine's memory cannot shrink the next one's KV budget, all
+with dummy weights, greedy, 0.9 of the card, at most ``MAX_NUM_SEQS`` (1024) sequences:
 
 - ``8b.bf16``: the Llama-3-8B shape, bf16 weights, bf16 KV cache;
 - ``8b.fp8``: the same with FP8 weights (``--quantization fp8``) and an FP8 KV cache
@@ -33,7 +34,10 @@ ENGINES = {
     "70b.fp8": ("llama-3-70b.json", ["--quantization", "fp8", "--kv-cache-dtype", "fp8",
                                      "--max-model-len", "4096"]),
 }
-ENGINE_ARGS = ["--gpu-memory-utilization", "0.9", "--max-num-seqs", "256"]
+ENGINE_ARGS = ["--gpu-memory-utilization", "0.9"]
+MAX_NUM_SEQS = 1024
+"""vLLM's default on a card of this size: the cap under which an FP8 cache's doubled blocks
+turn into a larger decode batch."""
 WORKLOADS = {  # (bench command, its arguments); prompt counts aim the three engines at ~6 min
     "b1": ("latency", ["--batch-size", "1", "--num-iters", "2"]),
     "t1000": ("throughput", ["--num-prompts", "1000", "--input-len", "1000",
@@ -50,14 +54,15 @@ FIGURES = ("decode_step_ms", "output_tok_per_s", "output_tok_per_j", "num_kv_blo
 TIMEOUT_S = 900  # one engine's process
 
 
-def run_engine(name: str, out: Path) -> None:
+def run_engine(name: str, out: Path, max_num_seqs: int) -> None:
     """Start ``name``'s engine here and run its workloads (the child process)."""
     from pagedserve.entrypoints.bench import latency, throughput
     from pagedserve.entrypoints.bench.common import make_llm
 
     suite, work = Suite(out), Path(tempfile.mkdtemp())
     config, extra = ENGINES[name]
-    engine = ["--model", model_dir(work, config), *COMMON, *ENGINE_ARGS, *extra]
+    engine = ["--model", model_dir(work, config), *COMMON, *ENGINE_ARGS,
+              "--max-num-seqs", str(max_num_seqs), *extra]
     llm = suite.run(f"fp8.{name}.start", make_llm, bench_args(["latency", *engine]))
     if llm is None:
         return
@@ -72,11 +77,12 @@ def run_engine(name: str, out: Path) -> None:
                 f.write(json.dumps({"engine": name, "workload": key, **figures}) + "\n")
 
 
-def run_all(suite: Suite, out: Path) -> None:
+def run_all(suite: Suite, out: Path, engines: list[str], max_num_seqs: int) -> None:
     """Each engine in its own process, then the side-by-side table."""
     (out / "fp8.json").unlink(missing_ok=True)
-    for name in ENGINES:
-        done = subprocess.run([sys.executable, __file__, "--engine", name, "--out", str(out)],
+    for name in engines:
+        done = subprocess.run([sys.executable, __file__, "--engine", name, "--out", str(out),
+                               "--max-num-seqs", str(max_num_seqs)],
                               timeout=TIMEOUT_S, check=False)
         if done.returncode != 0:
             suite.log(f"fp8.{name}", error=f"exit status {done.returncode}")
@@ -129,13 +135,20 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--engine", choices=sorted(ENGINES),
                         help="run this engine's workloads here (what the parent process asks)")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="the engines to run, in order (70b.fp8 needs a card of ~100 GB)")
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.engine is not None:
-        run_engine(args.engine, out)
-    else:
-        run_all(Suite(out), out)
+        run_engine(args.engine, out, args.max_num_seqs)
+        return
+    engines = args.engines.split(",")
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"--engines: unknown {unknown}; choose from {sorted(ENGINES)}")
+    run_all(Suite(out), out, engines, args.max_num_seqs)
 
 
 if __name__ == "__main__":

@@ -90,9 +90,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     suite, work, wanted = Suite(out), Path(tempfile.mkdtemp()), args.sections.split(",")
     if "fp8" in wanted:  # before any engine of this process holds the card's memory
-        from fp8_suite import run_all
+        from fp8_suite import ENGINES, MAX_NUM_SEQS, run_all
 
-        suite.run("fp8", run_all, suite, out)
+        suite.run("fp8", run_all, suite, out, list(ENGINES), MAX_NUM_SEQS)
     if "spec" in wanted:  # engines in processes of their own, while this one holds none
         suite.run("spec", spec_decode_bench.run_all, suite.log, work)
     llama = ["--model", model_dir(work, "llama-3-8b.json"), *COMMON]
