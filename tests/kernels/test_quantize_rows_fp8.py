@@ -1,6 +1,6 @@
 """The per-token FP8 quantization kernel against ``fp8_ops.quantize_rows`` (its reference):
 the same bytes and scales, in the one-pass kernel (rows of up to ONE_PASS_MAX_COLS) and the
-two-pass one (wider rows). Runs under the interpreter in CI, compiled on a GPU with
+two-pass one (wider rows), and the FP8 linear op that quantizes its input with it. Runs under the interpreter in CI, compiled on a GPU with
 ``TRITON_INTERPRET=0``."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from kernel_device import DEVICE
 
 from pagedserve.kernels.fp8_rows import ONE_PASS_MAX_COLS, quantize_rows_fp8
+from pagedserve.layers.quantization import fp8_ops
 from pagedserve.layers.quantization.fp8_ops import FP8_MAX, quantize_rows
 
 
@@ -81,3 +82,22 @@ def test_strided_rows_and_no_rows() -> None:
 def test_rejects_other_shapes() -> None:
     with pytest.raises(ValueError, match="quantize_rows_fp8: x must be"):
         quantize_rows_fp8(torch.zeros(2, 3, 4, device=DEVICE))
+
+
+def test_fp8_linear_quantizes_its_input_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pagedserve::fp8_linear`` with a per-token scale, its kernel branch (CUDA's) taken on
+    this device: the same product as with ``quantize_rows``, since the bytes are the same."""
+    calls = []
+
+    def kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(x.shape)
+        q, scale = quantize_rows_fp8(x.to(DEVICE))
+        return q.to(x.device), scale.to(x.device)
+
+    weight, weight_scale = quantize_rows(torch.randn(32, 64) * 0.05)  # float8 [N, K], fp32 [N]
+    x = (torch.randn(5, 64) * 4).bfloat16()  # [M, K]
+    want = fp8_ops._fp8_linear_op(x, weight, weight_scale, None, None)  # [M, N]
+    monkeypatch.setattr(fp8_ops, "_row_kernel_for", lambda t: kernel)
+    got = fp8_ops._fp8_linear_op(x, weight, weight_scale, None, None)  # [M, N]
+    assert calls == [(5, 64)]
+    assert torch.equal(got, want)
