@@ -105,13 +105,14 @@ def sweep_t(t: int, log: Path, device: str) -> list[dict]:
         for name, fn in variants.items():
             ok = None if name == "bf16" else same_quantization(fn(), want)
             us = us_per_call(fn)
-            row = {"op": op, "t": t, "variant": name, "us": us,
-                   "gb_s": bytes_moved(op, name, t) / us / 1e3, "ok": ok, "device": device}  # fmt: skip
+            gb_s = bytes_moved(op, name, t) / us / 1e3
+            row = {"op": op, "t": t, "variant": name, "us": us, "gb_s": gb_s, "ok": ok,
+                   "device": device}  # fmt: skip
             rows.append(row)
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-        print(f"[{op} T={t}] " + ", ".join(
-            f"{r['variant']} {r['us']:.1f} us" for r in rows if r["op"] == op), flush=True)  # fmt: skip
+        timings = [f"{r['variant']} {r['us']:.1f} us" for r in rows if r["op"] == op]
+        print(f"[{op} T={t}] " + ", ".join(timings), flush=True)
     return rows
 
 

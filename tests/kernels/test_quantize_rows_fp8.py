@@ -1,7 +1,7 @@
 """The per-token FP8 quantization kernel against ``fp8_ops.quantize_rows`` (its reference):
 the same bytes and scales, in the one-pass kernel (rows of up to ONE_PASS_MAX_COLS) and the
-two-pass one (wider rows), and the FP8 linear op that quantizes its input with it. Runs under the interpreter in CI, compiled on a GPU with
-``TRITON_INTERPRET=0``."""
+two-pass one (wider rows), and the FP8 linear op that quantizes its input with it. Runs
+under the interpreter in CI, compiled on a GPU with ``TRITON_INTERPRET=0``."""
 
 from __future__ import annotations
 
