@@ -7,7 +7,9 @@ A model takes these classes where its linear layers quantize activations per tok
 tensor cores (``input_layers``: ``InputLayers`` of the linear method), the plain ones
 elsewhere. On CUDA the Triton kernels run (``kernels/rms_norm.py``,
 ``kernels/silu_and_mul.py``), behind opaque ops when compiled; the torch code (the plain
-layer's, then ``quantize_rows``) is the reference and runs elsewhere.
+layer's, then ``quantize_rows``) is the reference and runs elsewhere. The first layer's
+input norm has no residual to add: the plain norm, then a quantization pass (eagerly on
+CUDA the Triton one, ``kernels/fp8_rows.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ import torch
 
 from pagedserve.layers.activation import SiluAndMul, silu_and_mul_torch
 from pagedserve.layers.layernorm import RMSNorm, add_rms_norm_torch, kernel_applies
-from pagedserve.layers.quantization.fp8_ops import Fp8Activation, quantize_rows
+from pagedserve.layers.quantization.fp8_ops import (
+    Fp8Activation,
+    quantize_per_token,
+    quantize_rows,
+)
 
 
 class InputLayers(NamedTuple):
@@ -30,8 +36,14 @@ class InputLayers(NamedTuple):
 
 
 def _quantized(t: torch.Tensor) -> Fp8Activation:
-    q, scale = quantize_rows(t.reshape(-1, t.shape[-1]))  # [T, K], [T]
-    return Fp8Activation(q, scale.unsqueeze(-1), t.dtype)
+    """t [..., K] quantized per token by a pass of its own: the torch code when compiled
+    (Inductor fuses it with the torch norm or activation that made ``t``), eagerly the Triton
+    kernel on CUDA (``fp8_ops.quantize_per_token``)."""
+    rows = t.reshape(-1, t.shape[-1])  # [T, K]
+    if torch.compiler.is_compiling():
+        q, scale = quantize_rows(rows)  # float8 [T, K], fp32 [T]
+        return Fp8Activation(q, scale.unsqueeze(-1), t.dtype)
+    return Fp8Activation(*quantize_per_token(rows), t.dtype)
 
 
 class Fp8RMSNorm(RMSNorm):

@@ -8,15 +8,22 @@ compute dtype, then an ordinary matmul (the activation stays unquantized).
 The activation is quantized per token here by a separate pass over it, unless it comes
 quantized already (``Fp8Activation``): the RMSNorm and SiLU-and-mul layers in front of FP8
 layers write FP8 plus the per-token scale in their own kernel
-(``layers/quantization/fp8_activations.py``).
+(``layers/quantization/fp8_activations.py``). That pass (o_proj's input, the attention
+output) is one Triton kernel on CUDA (``kernels/fp8_rows.quantize_rows_fp8``: one read of
+the rows, the FP8 bytes and scales written); ``quantize_rows`` is its torch reference and
+the pass elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from pagedserve.platform import triton_available
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -44,6 +51,35 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (t32.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)  # [R]
     q = (t32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, 1]): ``quantize_rows``'s bytes and
+    scales, by the Triton kernel where it runs (one pass instead of a handful of torch ops).
+    Eager code only (inside an opaque op): a compiled graph would trace the kernel launch."""
+    kernel = _row_kernel_for(x)
+    if kernel is not None:
+        return kernel(x)
+    q, scale = quantize_rows(x)  # float8 [M, K], fp32 [M]
+    return q, scale.unsqueeze(-1)
+
+
+QuantizeRows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _row_kernel_for(x: torch.Tensor) -> QuantizeRows | None:
+    """The Triton quantization kernel for x's device: CUDA with Triton installed, else None."""
+    return _row_kernel() if x.is_cuda else None
+
+
+@functools.cache
+def _row_kernel() -> QuantizeRows | None:
+    """Imported on first use: Triton is only needed (and installed) where CUDA runs."""
+    if not triton_available():
+        return None
+    from pagedserve.kernels.fp8_rows import quantize_rows_fp8
+
+    return quantize_rows_fp8
 
 
 def quantize_static(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -94,8 +130,7 @@ def _fp8_linear_op(
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype."""
     if input_scale is None:
-        xq, x_scale = quantize_rows(x)
-        x_scale = x_scale.unsqueeze(-1)  # [M, 1]
+        xq, x_scale = quantize_per_token(x)  # float8 [M, K], fp32 [M, 1]
     else:
         xq = quantize_static(x, input_scale)
         x_scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()  # [M, 1]
