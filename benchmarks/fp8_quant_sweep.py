@@ -11,8 +11,8 @@ For T (tokens) in 1 .. 8192, times
   rows wider than 16,384) and the one-pass ``silu_and_mul_fp8`` at 4, 8, 16 and 32 warps.
 Each: a CUDA graph of 10 calls on the same input (``graph_time_ms``), median of 10 replays, as
 us per call and GB/s of the bytes a call must move (its input read once, its outputs written
-once). The FP8 outputs are checked once per T against ``quantize_rows`` (of the bf16 product
-for ``silu``): ``"ok": false`` where a byte or a scale differs.
+once). The FP8 outputs are checked once per T against ``quantize_rows`` on the CPU (of the bf16
+product for ``silu``): ``"ok": false`` where a byte or a scale differs.
 
 Writes one JSON line per (op, T, variant) to DIR/fp8_quant_sweep.jsonl and prints, last, a
 table of us per call (GB/s) per op and T, also written to DIR/fp8_quant_sweep.md.
@@ -80,7 +80,7 @@ def bytes_moved(op: str, variant: str, t: int) -> int:
 
 def same_quantization(result: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """result (float8 [T, C], scales [T] or [T, 1]) has ``want``'s bytes and scales."""
-    q, scale = result
+    q, scale = (t.cpu() for t in result)
     want_q, want_scale = want
     return torch.equal(scale.reshape(-1), want_scale.reshape(-1)) and torch.equal(
         q.view(torch.uint8), want_q.view(torch.uint8)
@@ -96,9 +96,10 @@ def sweep_t(t: int, log: Path, device: str) -> list[dict]:
     """Every variant of both ops at T = t."""
     x_q = torch.randn(t, HIDDEN, device=DEVICE, dtype=BF16) * 3  # [T, HIDDEN]
     x_silu = torch.randn(t, 2 * FFN, device=DEVICE, dtype=BF16) * 3  # [T, 2 * FFN]
+    # The reference bytes come from the CPU, as the kernel tests take them.
     cases = [
-        ("quantize", quantize_variants(x_q), quantize_rows(x_q)),
-        ("silu", silu_variants(x_silu), quantize_rows(silu_and_mul(x_silu))),
+        ("quantize", quantize_variants(x_q), quantize_rows(x_q.cpu())),
+        ("silu", silu_variants(x_silu), quantize_rows(silu_and_mul(x_silu).cpu())),
     ]
     rows = []
     for op, variants, want in cases:

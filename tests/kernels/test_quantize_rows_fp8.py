@@ -86,18 +86,25 @@ def test_rejects_other_shapes() -> None:
 
 def test_fp8_linear_quantizes_its_input_with_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pagedserve::fp8_linear`` with a per-token scale, its kernel branch (CUDA's) taken on
-    this device: the same product as with ``quantize_rows``, since the bytes are the same."""
-    calls = []
+    this device: the product gets ``quantize_rows``'s bytes and scales, from the kernel."""
+    calls, products = [], []
 
     def kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(x.shape)
         q, scale = quantize_rows_fp8(x.to(DEVICE))
         return q.to(x.device), scale.to(x.device)
 
+    def product(xq, x_scale, weight, weight_scale, bias, out_dtype):  # noqa: ANN001, ANN202
+        products.append((xq, x_scale))
+        return torch.zeros(xq.shape[0], weight.shape[0], dtype=out_dtype)
+
     weight, weight_scale = quantize_rows(torch.randn(32, 64) * 0.05)  # float8 [N, K], fp32 [N]
     x = (torch.randn(5, 64) * 4).bfloat16()  # [M, K]
-    want = fp8_ops._fp8_linear_op(x, weight, weight_scale, None, None)  # [M, N]
     monkeypatch.setattr(fp8_ops, "_row_kernel_for", lambda t: kernel)
-    got = fp8_ops._fp8_linear_op(x, weight, weight_scale, None, None)  # [M, N]
+    monkeypatch.setattr(fp8_ops, "_scaled_mm_rows", product)
+    fp8_ops._fp8_linear_op(x, weight, weight_scale, None, None)
     assert calls == [(5, 64)]
-    assert torch.equal(got, want)
+    want_q, want_scale = quantize_rows(x)  # float8 [M, K], fp32 [M]
+    (xq, x_scale), = products
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(x_scale, want_scale.unsqueeze(1))

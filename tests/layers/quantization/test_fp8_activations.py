@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +58,20 @@ def _plain_twin(model: nn.Module) -> None:
         layer.mlp.act_fn = SiluAndMul(CPU)
 
 
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """torch's CPU ``_scaled_mm`` takes a scale per row from torch 2.13 on; before, only one
+    scale per operand."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm_takes_row_scales(),
+                    reason="this torch's CPU _scaled_mm takes only per-tensor scales")
 def test_model_on_fp8_tensor_cores_equals_it_with_a_quantization_pass(tmp_path: Path) -> None:
     hf = make_hf_model("llama")
     tensors = saved_checkpoint(hf, tmp_path)
