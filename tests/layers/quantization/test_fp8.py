@@ -198,7 +198,8 @@ def test_scaled_mm_matches_the_dequantized_reference(static: bool, dtype: torch.
     if static:
         assert input_scale is not None
         xq, x_scale = quantize_static(x, input_scale), input_scale.expand(m)
-    else:  # the Triton kernel's bytes: quantize_rows' on the CPU (torch's CUDA ops differ)
+    else:  # the Triton kernel's bytes: quantize_rows' on the CPU. On CUDA, torch divides by
+        # the Python scalar FP8_MAX as a multiply by its reciprocal, a rounding step off.
         xq, x_scale = (t.to(cuda) for t in quantize_rows(x.cpu()))
     ref = dequantize_rows(xq, x_scale) @ dequantize_rows(w, w_scale).t() + bias.float()
     assert out.dtype == dtype and out.shape == (m, 384)
