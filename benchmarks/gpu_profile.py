@@ -7,6 +7,11 @@ same number of steps with ``torch.profiler`` (CUDA activity) and splits the kern
 categories. ``host gap`` is the part of the wall time during which no kernel ran: the GPU
 waited for the host. Results go to DIR/profile.json (and a Chrome trace of the batch-1 run).
 
+The ``prefill`` scenario times a few steps of a full token budget of new prompts each and, as
+well as their kernel time, lists the torch ops of one such step by self CPU time (an op that
+waits for the GPU, such as ``aten::item``, shows there) and the caching allocator's device
+allocations: what to look at when its host gap grows.
+
 Scenarios drive the engine step by step (``LLM.add_request`` / ``LLM.step``), so a step here
 is exactly one engine step: schedule, prepare inputs, forward, sample, update. The ``sweep``
 is what ``plot_decode.py`` draws.
@@ -56,8 +61,10 @@ def category(name: str) -> str:
     return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
-def add_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int) -> None:
-    rng = np.random.default_rng(batch * 7919 + prompt_len)
+def add_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int, round_: int = 0) -> None:
+    """``batch`` prompts of random ids, the same for the same (batch, prompt_len, round_): a
+    later round's prompts share no prefix with an earlier one's."""
+    rng = np.random.default_rng((batch * 7919 + prompt_len) * 101 + round_)
     vocab = llm.engine_core.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
@@ -145,14 +152,52 @@ def batch_sweep(llm: LLM, steps: int) -> dict[str, float]:
     return sweep
 
 
+PREFILL_TIMED_STEPS = 3
+
+
 def prefill_scenario(llm: LLM, out: Path) -> dict:
-    """One step of prefill tokens only (a full token budget of new prompts)."""
+    """Steps of prefill tokens only, each a full token budget of new prompts: one to warm up,
+    ``PREFILL_TIMED_STEPS`` timed without a profiler (with the caching allocator's device
+    allocations and retries over them), one profiled on the GPU (kernel time, host gap) and one
+    on the host (the torch ops by self CPU time: where a host gap comes from)."""
     budget = llm.config.scheduler.max_num_batched_tokens
-    add_requests(llm, budget // 1024, 1024, 1)
-    result = {"tokens": budget, **profile_steps(llm, 1, None)}
+    rounds = iter(range(1, 100))
+
+    def new_prompts() -> None:
+        add_requests(llm, budget // 1024, 1024, 1, next(rounds))
+
+    new_prompts()
+    finish_all(llm)  # warm-up
+    before = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    wall = []
+    for _ in range(PREFILL_TIMED_STEPS):
+        new_prompts()
+        wall.append(run_steps(llm, 1) * 1e3)
+        finish_all(llm)
+    after = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    allocator = {k: after.get(k, 0) - before.get(k, 0)
+                 for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    new_prompts()
+    result = {"tokens": budget, "step_ms": wall, "allocator": allocator,
+              **profile_steps(llm, 1, None)}  # fmt: skip
+    finish_all(llm)
+    new_prompts()
+    result["host_ops"] = host_ops(llm)
     finish_all(llm)
     print("[prefill] " + json.dumps(result), flush=True)
     return result
+
+
+def host_ops(llm: LLM, top: int = 15) -> dict[str, dict[str, float]]:
+    """One step under the CPU profiler: its ``top`` torch ops by self CPU time (ms, calls).
+    The profiler's own cost per op inflates these; they rank, they do not time the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.step()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {e.key[:90]: {"self_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count}
+            for e in ops}
 
 
 def main() -> None:
