@@ -42,9 +42,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.cpu_threads import threads_beside, usable_cpu_cores
 from pagedserve.model.gguf_config import gguf_to_hf_config
 from pagedserve.model.resolve import default_model_file
-from pagedserve.platform import cpu_thread_count, resolve_device, resolve_dtype, usable_cpu_cores
+from pagedserve.platform import resolve_device, resolve_dtype
 
 KV_CACHE_BYTES = 1 << 30
 """Our KV budget: room for every request at once (64 x 256 tokens need ~380 MB in bf16)."""
@@ -192,7 +193,7 @@ def main() -> None:
     cpu = resolve_device("cpu")
     same = dtype_name(resolve_dtype(args.dtype, cpu))  # comparison (a)
     ours_default = dtype_name(resolve_dtype("auto", cpu))  # comparison (b), our side
-    threads = args.threads or cpu_thread_count(usable_cpu_cores(), os.getloadavg()[0])
+    threads = args.threads or threads_beside(usable_cpu_cores(), os.getloadavg()[0])
     # Fixed for every run (spawned processes inherit it): the engine leaves a count set by
     # OMP_NUM_THREADS alone, where it would otherwise follow the machine's load.
     os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -4,8 +4,8 @@ engine runs (``docs/cpu.md#threads-and-the-allocator``).
 Why it moves: torch splits each op across its OpenMP threads and waits for all of them, so a
 thread whose core another process holds stalls every op by a scheduler time slice; on a busy
 machine one thread is several times faster than two, on an idle one two are faster than one.
-Start-up chooses from the load average (``platform.configure_cpu_threads``); between steps,
-``ThreadGovernor`` measures how much of the usable cores other processes used over the last
+Start-up chooses from the load average (``configure_cpu_threads``); between steps,
+``ThreadGovernor`` (from ``cpu_thread_governor``) measures how much of the usable cores other processes used over the last
 second and sets the count again, so a core busy for a moment at start-up does not halve the
 engine's compute for its whole life, and a load that comes later takes a thread away.
 """
@@ -32,12 +32,48 @@ class CpuTimes:
     own_s: float
 
 
+def usable_cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def threads_beside(cores: int, others_busy_cores: float) -> int:
     """The cores that ``others_busy_cores`` of other processes' work leaves idle, at least 1
-    (a core counts as taken from half a core's use on)."""
+    (a core counts as taken from half a core's use on). One thread too few costs at most that
+    thread's speed-up; one too many costs a scheduler time slice per op
+    (docs/cpu.md#threads-and-the-allocator has the measurements)."""
     if cores < 1:
         raise ValueError(f"cores: expected >= 1, got {cores}")
     return max(1, min(cores, cores - int(others_busy_cores + 0.5)))
+
+
+def configure_cpu_threads() -> int:
+    """Lower torch's CPU thread count to the idle cores, once at engine start-up, taking the
+    1-minute load average (runnable processes before this engine started working) as the
+    other processes' cores. Never raises it: a count chosen before (``OMP_NUM_THREADS``, which
+    torch reads itself, or ``torch.set_num_threads``) is an upper bound. Returns the thread
+    count in effect."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        policy = threads_beside(usable_cpu_cores(), os.getloadavg()[0])
+        torch.set_num_threads(min(torch.get_num_threads(), policy))
+    return torch.get_num_threads()
+
+
+def cpu_thread_governor(max_threads: int) -> ThreadGovernor | None:
+    """The between-steps hook that keeps torch's thread count to the idle cores, up to
+    ``max_threads``; None where the user fixed the count (``OMP_NUM_THREADS``) or
+    ``/proc/stat`` cannot be read."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    try:
+        cpus = frozenset(os.sched_getaffinity(0))
+        read_cpu_times(cpus)
+    except (AttributeError, OSError, ValueError):
+        return None
+    return ThreadGovernor(len(cpus), max_threads, lambda: read_cpu_times(cpus))
 
 
 def read_cpu_times(cpus: Collection[int]) -> CpuTimes:

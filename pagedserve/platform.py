@@ -12,12 +12,9 @@ and the reference the tests hold the Triton ones to.
 from __future__ import annotations
 
 import abc
-import ctypes
 import functools
 import importlib.util
 import logging
-import math
-import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+
+from pagedserve.cpu_memory import configure_cpu_allocator, zeroed_host_tensor
+from pagedserve.cpu_threads import configure_cpu_threads, cpu_thread_governor, usable_cpu_cores
 
 if TYPE_CHECKING:
     from pagedserve.attention.backends.base import AttentionBackend
@@ -98,100 +98,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
-def usable_cpu_cores() -> int:
-    """Cores this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def cpu_thread_count(cores: int, load_average: float) -> int:
-    """Threads for torch's CPU kernels: the cores that other processes leave idle, at least 1.
-
-    Why not every core: torch splits each op across its OpenMP threads and waits for all of
-    them. When another process holds one of the cores, every op waits for the thread that is
-    not running (a scheduler time slice). One thread too few costs at most the speed-up of
-    that thread; one too many costs a time slice per op (docs/cpu.md#threads-and-the-allocator
-    has the measurements). ``load_average`` is the 1-minute load (runnable processes) measured
-    before this engine started working.
-    """
-    if cores < 1:
-        raise ValueError(f"cores: expected >= 1, got {cores}")
-    busy = int(load_average + 0.5)  # processes already running on this machine's cores
-    return max(1, min(cores, cores - busy))
-
-
-def configure_cpu_threads() -> int:
-    """Lower torch's CPU thread count to the idle cores, once at engine start-up. Never raises
-    it: a count chosen before (``OMP_NUM_THREADS``, which torch reads itself, or
-    ``torch.set_num_threads``) is an upper bound. Returns the thread count in effect."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        policy = cpu_thread_count(usable_cpu_cores(), os.getloadavg()[0])
-        torch.set_num_threads(min(torch.get_num_threads(), policy))
-    return torch.get_num_threads()
-
-
 def no_step_hook() -> None:
     """What a platform with nothing to adjust between steps hands the engine."""
-
-
-def cpu_thread_governor(max_threads: int) -> Callable[[], None]:
-    """The between-steps hook that keeps torch's thread count to the idle cores
-    (``cpu_threads.ThreadGovernor``), up to ``max_threads``; where the user fixed the count
-    (``OMP_NUM_THREADS``) or ``/proc/stat`` cannot be read, a hook that does nothing."""
-    from pagedserve.cpu_threads import ThreadGovernor, read_cpu_times
-
-    if "OMP_NUM_THREADS" in os.environ:
-        return no_step_hook
-    try:
-        cpus = frozenset(os.sched_getaffinity(0))
-        read_cpu_times(cpus)
-    except (AttributeError, OSError, ValueError):
-        return no_step_hook
-    return ThreadGovernor(len(cpus), max_threads, lambda: read_cpu_times(cpus))
-
-
-# glibc ``mallopt`` parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
-_M_MMAP_THRESHOLD = -3
-CPU_MALLOC_OPTIONS = {
-    _M_MMAP_THRESHOLD: 1 << 30,  # blocks up to 1 GiB come from the heap, not fresh mmaps
-    _M_TRIM_THRESHOLD: (1 << 31) - 1,  # keep freed heap memory (int max: never trim)
-    _M_TOP_PAD: 64 << 20,  # grow the heap 64 MiB at a time
-}
-"""What ``configure_cpu_allocator`` sets: glibc parameter -> value."""
-
-
-def configure_cpu_allocator() -> bool:
-    """Make glibc's malloc keep and reuse the memory of freed tensors. Returns False where the
-    C library is not glibc or refuses one of the options.
-
-    Why: torch's CPU tensors come from ``malloc``. By default glibc serves large blocks with
-    fresh ``mmap`` calls and gives freed memory back to the system, so each step's big
-    temporaries (activations, gathered KV blocks) fault their pages in again, every step.
-    Page faults are cheap on an idle machine and expensive on a busy one
-    (docs/cpu.md#threads-and-the-allocator has the measurements). Memory the process once used
-    stays with it (its peak, as a server's). Process-wide; call once at start-up, before the
-    work that allocates.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    accepted = [mallopt(param, value) == 1 for param, value in CPU_MALLOC_OPTIONS.items()]
-    return all(accepted)
-
-
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor on a private anonymous memory map: the kernel maps its pages
-    in zeroed on first touch, so untouched parts cost neither time nor memory (``torch.zeros``
-    writes every byte up front)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the map alive
-    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 # ---- the platform -----------------------------------------------------------------------------
@@ -227,19 +135,6 @@ def torch_input_prep_ops() -> InputPrepOps:
     from pagedserve.worker import input_prep
 
     return InputPrepOps.from_module("torch", input_prep)
-
-
-def available_host_bytes() -> int:
-    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), else the
-    machine's free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def triton_available() -> bool:
@@ -450,7 +345,7 @@ class CpuPlatform(Platform):
         allocator = "tuned" if configure_cpu_allocator() else "default (mallopt missing or refused)"
         logger.info("CPU start-up: %d torch threads (up to %d as cores go idle), malloc %s",
                     threads, max_threads, allocator)
-        return cpu_thread_governor(max_threads)
+        return cpu_thread_governor(max_threads) or no_step_hook
 
     def configure_rank(self, world_size: int) -> None:
         """The ranks share the host's cores; then the engine's thread and malloc policy at

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pagedserve import cpu_threads, platform
+from pagedserve import cpu_threads
 from pagedserve.cpu_threads import CpuTimes, ThreadGovernor, threads_beside
 
 
@@ -85,9 +85,9 @@ def test_governor_never_exceeds_its_ceiling() -> None:
 
 def test_a_fixed_thread_count_gets_no_governor(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert platform.cpu_thread_governor(2) is platform.no_step_hook
+    assert cpu_threads.cpu_thread_governor(2) is None
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert isinstance(platform.cpu_thread_governor(2), ThreadGovernor)
+    assert isinstance(cpu_threads.cpu_thread_governor(2), ThreadGovernor)
 
 
 def test_read_cpu_times_counts_this_process() -> None:
@@ -97,3 +97,45 @@ def test_read_cpu_times_counts_this_process() -> None:
     after = cpu_threads.read_cpu_times(cpus)
     assert after.own_s > before.own_s
     assert after.machine_busy_s > before.machine_busy_s
+
+
+@pytest.mark.parametrize(
+    ("cores", "load", "expected"),
+    [
+        (2, 0.0, 2),  # idle machine: every core
+        (2, 0.4, 2),  # a little background noise does not take a core
+        (2, 0.6, 1),  # one core busy elsewhere
+        (2, 5.2, 1),  # oversubscribed: still one thread
+        (16, 3.6, 12),
+        (1, 0.0, 1),
+    ],
+)
+def test_start_up_leaves_busy_cores_alone(cores: int, load: float, expected: int) -> None:
+    """The load average taken as the other processes' cores."""
+    assert cpu_threads.threads_beside(cores, load) == expected
+
+
+@pytest.fixture
+def four_cores_one_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads, "usable_cpu_cores", lambda: 4)
+    monkeypatch.setattr(cpu_threads.os, "getloadavg", lambda: (1.2, 0.0, 0.0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+@pytest.mark.usefixtures("restore_threads", "four_cores_one_busy")
+def test_configure_cpu_threads_respects_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(4)
+    assert cpu_threads.configure_cpu_threads() == 3
+    torch.set_num_threads(4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert cpu_threads.configure_cpu_threads() == 4  # the user's choice is left alone
+
+
+@pytest.mark.usefixtures("restore_threads", "four_cores_one_busy")
+def test_configure_cpu_threads_never_raises_the_count() -> None:
+    torch.set_num_threads(1)  # chosen earlier (a test's conftest, a user)
+    assert cpu_threads.configure_cpu_threads() == 1
+
+
+def test_usable_cpu_cores_is_positive() -> None:
+    assert cpu_threads.usable_cpu_cores() >= 1

@@ -14,7 +14,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from pagedserve.platform import available_host_bytes
+from pagedserve.cpu_memory import available_host_bytes
 
 logger = logging.getLogger(__name__)
 

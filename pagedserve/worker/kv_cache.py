@@ -27,8 +27,9 @@ import torch
 from pagedserve.attention.backends.base import FP8_KV_DTYPE, UNIT_KV_SCALES
 from pagedserve.attention.layer import Attention
 from pagedserve.compilation.phase_log import log_phase
+from pagedserve.cpu_memory import available_host_bytes
 from pagedserve.math_utils import cdiv
-from pagedserve.platform import available_host_bytes, platform_for
+from pagedserve.platform import platform_for
 
 logger = logging.getLogger(__name__)
 
