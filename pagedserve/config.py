@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from pagedserve.field_types import ByteSize, byte_size, check_field_types, require, without_none
 
 if TYPE_CHECKING:
-    from pagedserve.platform import Platform
+    from pagedserve.platform.base import Platform
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

@@ -12,6 +12,9 @@ from pagedserve import platform
 from pagedserve.attention.backends.cpu import CpuBackend
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.layers.activation import SiluAndMul
+from pagedserve.platform import base as platform_base
+from pagedserve.platform import cpu as cpu_platform
+from pagedserve.platform import cuda as cuda_platform
 from pagedserve.sample.token_sampler import TorchTokenSampler
 from pagedserve.worker import input_prep
 
@@ -19,13 +22,13 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.device("cuda")  # selection only: nothing below allocates on it
 
 
-def _is_torch_reference(ops: platform.InputPrepOps) -> bool:
+def _is_torch_reference(ops: platform_base.InputPrepOps) -> bool:
     return ops.name == "torch" and ops.compute_slot_mappings is input_prep.compute_slot_mappings
 
 
 def test_cpu_gets_the_torch_references(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = platform.platform_for(torch.device("cpu"))
-    assert isinstance(cpu, platform.CpuPlatform)
+    assert isinstance(cpu, cpu_platform.CpuPlatform)
     assert _is_torch_reference(cpu.input_prep_ops())
     assert isinstance(cpu.token_sampler(32), TorchTokenSampler)
     assert not cpu.has_triton_kernels() and not SiluAndMul(cpu.device).uses_kernel
@@ -54,12 +57,12 @@ def test_cuda_gets_the_triton_versions(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedserve.sample.triton_token_sampler import TritonTokenSampler
 
     cuda = platform.platform_for(CUDA)
-    assert isinstance(cuda, platform.CudaPlatform)
+    assert isinstance(cuda, cuda_platform.CudaPlatform)
     ops = cuda.input_prep_ops()
     assert ops.name == "triton"
     assert ops.gather_block_tables is triton_input_prep.gather_block_tables
     assert isinstance(cuda.attention_backend(), TritonBackend)
-    monkeypatch.setattr(platform.CudaPlatform, "multiprocessor_count", lambda self: 4)
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "multiprocessor_count", lambda self: 4)
     assert isinstance(cuda.token_sampler(32), TritonTokenSampler)
     assert cuda.has_triton_kernels() and SiluAndMul(CUDA).uses_kernel
     assert (cuda.pin_memory, cuda.compiles_by_default, cuda.has_cuda_graphs) == (True,) * 3
@@ -67,7 +70,7 @@ def test_cuda_gets_the_triton_versions(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_without_triton_runs_the_torch_references(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(platform, "triton_available", lambda: False)
+    monkeypatch.setattr(cuda_platform, "triton_available", lambda: False)
     cuda = platform.platform_for(CUDA)
     assert _is_torch_reference(cuda.input_prep_ops())
     assert type(cuda.attention_backend()) is TorchRefBackend
@@ -87,7 +90,7 @@ def test_platform_for_names_an_unsupported_device() -> None:
 
 def test_auto_dtype_follows_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
     assert platform.resolve_dtype("auto", CUDA) == torch.bfloat16
-    monkeypatch.setattr(platform, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_has_fast_bf16", lambda: False)
     assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
@@ -101,11 +104,11 @@ def restore_threads():
 @pytest.mark.usefixtures("restore_threads")
 def test_configure_process_leaves_gpu_processes_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     touched: list[str] = []
-    monkeypatch.setattr(platform, "configure_cpu_threads", lambda: touched.append("threads") or 1)
+    monkeypatch.setattr(cpu_platform, "configure_cpu_threads", lambda: touched.append("threads") or 1)
     monkeypatch.setattr(
-        platform, "configure_cpu_allocator", lambda: touched.append("malloc") or True
+        cpu_platform, "configure_cpu_allocator", lambda: touched.append("malloc") or True
     )
-    assert platform.platform_for("cuda:0").configure_process() is platform.no_step_hook
+    assert platform.platform_for("cuda:0").configure_process() is platform_base.no_step_hook
     assert touched == []
     platform.platform_for("cpu").configure_process()
     assert touched == ["threads", "malloc"]
@@ -116,10 +119,10 @@ def test_fp8_linear_backend_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert platform.platform_for("cpu").fp8_linear_backend() == "dequantize"
     assert platform.platform_for("meta").fp8_linear_backend() == "dequantize"
     cuda = platform.platform_for(CUDA)
-    monkeypatch.setattr(platform.CudaPlatform, "card_name", lambda self: "NVIDIA A100")
-    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (9, 0))
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "card_name", lambda self: "NVIDIA A100")
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "compute_capability", lambda self: (9, 0))
     assert cuda.fp8_linear_backend() == "scaled_mm"
-    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
     with pytest.raises(ValueError, match=r"quantization: FP8 .*NVIDIA A100 is 8\.0"):
         cuda.fp8_linear_backend()
 
@@ -129,11 +132,11 @@ def test_fp8_kv_cache_is_refused_on_a_gpu_without_fp8(monkeypatch: pytest.Monkey
     naming the field and the card."""
     cpu = torch.device("cpu")
     assert platform.resolve_kv_cache_dtype("fp8", torch.float32, cpu) is torch.float8_e4m3fn
-    monkeypatch.setattr(platform.CudaPlatform, "card_name", lambda self: "NVIDIA A100")
-    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 9))
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "card_name", lambda self: "NVIDIA A100")
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "compute_capability", lambda self: (8, 9))
     resolved = platform.resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, CUDA)
     assert resolved is torch.float8_e4m3fn
-    monkeypatch.setattr(platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
+    monkeypatch.setattr(cuda_platform.CudaPlatform, "compute_capability", lambda self: (8, 0))
     assert platform.resolve_kv_cache_dtype("auto", torch.bfloat16, CUDA) is torch.bfloat16
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: FP8 .*NVIDIA A100 is 8\.0$"):
         platform.resolve_kv_cache_dtype("fp8", torch.bfloat16, CUDA)

@@ -35,7 +35,7 @@ from pagedserve.layers.panel_pack import (
     panel_copies,
     panel_packable,
 )
-from pagedserve.platform import cpu_has_fast_bf16
+from pagedserve.platform.cpu import cpu_has_fast_bf16
 
 logger = logging.getLogger(__name__)
 

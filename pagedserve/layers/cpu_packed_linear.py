@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from pagedserve.layers.cpu_pack_budget import PackBudget
 from pagedserve.layers.weight_copies import WeightCopies
-from pagedserve.platform import cpu_has_fast_bf16
+from pagedserve.platform.cpu import cpu_has_fast_bf16
 
 
 def packing_available() -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from pagedserve.platform import Platform
+    from pagedserve.platform.base import Platform
 
 _BITS = 32
 

@@ -19,7 +19,7 @@ import torch
 
 from pagedserve.core.sched_output import BlockIds
 from pagedserve.math_utils import cdiv
-from pagedserve.platform import InputPrepOps
+from pagedserve.platform.base import InputPrepOps
 from pagedserve.worker.prefix_views import PrefixViews
 from pagedserve.worker.staging import StagedArray, StagingBuffer, host_to_device
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.platform import InputPrepOps
+from pagedserve.platform.base import InputPrepOps
 from pagedserve.worker.cudagraph import DECODE_QUERY_LEN, BatchDescriptor, CudaGraphMode
 from pagedserve.worker.prefix_views import PrefixViews
 from pagedserve.worker.staging import StagedArray, StagingBuffer

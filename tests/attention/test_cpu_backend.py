@@ -182,7 +182,7 @@ def test_no_compiler_keeps_the_torch_path(
     monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture  # noqa: ANN001
 ) -> None:
     """A compiler that fails: no kernel, one warning naming the reason, the torch backend."""
-    from pagedserve.platform import CpuPlatform
+    from pagedserve.platform.cpu import CpuPlatform
 
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

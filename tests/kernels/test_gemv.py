@@ -14,7 +14,7 @@ from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.quantization.fp8_ops import dequantize_rows, quantize_rows
 from pagedserve.layers.rotary import get_rope
-from pagedserve.platform import FP8_MIN_CAPABILITY
+from pagedserve.platform.base import FP8_MIN_CAPABILITY
 
 DT = torch.bfloat16
 EPS = 1e-5

@@ -17,7 +17,7 @@ from pagedserve.layers.quantization.fp8 import Fp8LinearMethod, Fp8OnlineLinearM
 from pagedserve.layers.quantization.fp8_ops import FP8_DTYPE, dequantize_rows
 from pagedserve.model.gemv_decode import GemvDecodeForward, unsupported_reason
 from pagedserve.model.loader import load_model
-from pagedserve.platform import FP8_MIN_CAPABILITY
+from pagedserve.platform.base import FP8_MIN_CAPABILITY
 from tests.model.fp8_checkpoints import FORMATS, INPUT_SCALE, LINEARS, write_fp8_checkpoint
 from tests.model.hf_tiny import make_hf_model
 from tests.model.paged_harness import greedy_generate

@@ -14,7 +14,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.backends.base import FP8_KV_DTYPE
 from pagedserve.outputs import CompletionOutput
-from pagedserve.platform import FP8_MIN_CAPABILITY
+from pagedserve.platform.base import FP8_MIN_CAPABILITY
 from tests.model.hf_tiny import make_hf_model
 from tests.worker.agreement import assert_agree_where_they_part
 

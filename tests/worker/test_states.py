@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.platform import torch_input_prep_ops
+from pagedserve.platform.base import torch_input_prep_ops
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.block_table import BlockTables
 from pagedserve.worker.states import RequestStates

@@ -32,7 +32,8 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.model.quantization import checkpoint_scheme
 from pagedserve.model.shape import ModelShape
-from pagedserve.platform import Platform, platform_for
+from pagedserve.platform import platform_for
+from pagedserve.platform.base import Platform
 
 # Measured on this project's H200 (see BENCHMARKS.md): device copy (read + write) and an
 # 8192^3 bf16 matmul on random data.

@@ -40,7 +40,7 @@ from pagedserve.layers.quantization.fp8_ops import (
     quantize_rows,
     scaled_mm_linear,
 )
-from pagedserve.platform import Fp8Backend
+from pagedserve.platform.base import Fp8Backend
 
 ScaleGranularity = Literal["tensor", "channel"]
 ActivationScheme = Literal["dynamic", "static"]

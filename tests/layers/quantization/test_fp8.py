@@ -31,7 +31,7 @@ from pagedserve.layers.quantization.fp8_ops import (
     quantize_static,
     scaled_mm_linear,
 )
-from pagedserve.platform import FP8_MIN_CAPABILITY
+from pagedserve.platform.base import FP8_MIN_CAPABILITY
 
 CPU = torch.device("cpu")
 F32 = torch.float32
