@@ -342,7 +342,7 @@ class CompilationConfig:
     host launching each kernel (docs/gpu.md#the-budget-step-graph), and holds one such step's
     activations off the KV cache.
     Unset: captured when a budget step's linear layers do at most ``HOST_BOUND_LAYER_FLOPS``
-    per decoder layer and GPU (``worker/cudagraph.py``: Qwen3-0.6B and smaller at 8,192
+    per decoder layer and GPU (``worker/capture_sizes.py``: Qwen3-0.6B and smaller at 8,192
     tokens, not 1B and up)."""
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ import torch
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.attention.forward_context import ForwardContext
 from pagedserve.attention.layer import Attention
-from pagedserve.worker.cudagraph import CudaGraphMode
+from pagedserve.worker.capture_sizes import CudaGraphMode
 from pagedserve.worker.input_batch import InputBatch
 
 

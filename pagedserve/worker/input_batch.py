@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagedserve.platform.base import InputPrepOps
-from pagedserve.worker.cudagraph import DECODE_QUERY_LEN, BatchDescriptor, CudaGraphMode
+from pagedserve.worker.capture_sizes import DECODE_QUERY_LEN, BatchDescriptor, CudaGraphMode
 from pagedserve.worker.prefix_views import PrefixViews
 from pagedserve.worker.staging import StagedArray, StagingBuffer
 from pagedserve.worker.states import RequestStates

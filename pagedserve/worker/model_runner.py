@@ -46,7 +46,8 @@ from pagedserve.worker import kv_cache
 from pagedserve.worker.async_output import AsyncOutput, PromptLogprobsSpan
 from pagedserve.worker.attn_utils import build_attn_metadata, make_forward_context
 from pagedserve.worker.block_table import BlockTables, single_group
-from pagedserve.worker.cudagraph import CudaGraphManager, padded_buffer_sizes
+from pagedserve.worker.capture_sizes import padded_buffer_sizes
+from pagedserve.worker.cudagraph import CudaGraphManager
 from pagedserve.worker.input_batch import (
     InputBatch,
     InputBuffers,

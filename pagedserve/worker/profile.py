@@ -43,7 +43,7 @@ from pagedserve.compilation.phase_log import KV_BUDGET_FIELD, log_phase
 from pagedserve.core.sched_output import SchedulerOutput
 from pagedserve.math_utils import cdiv
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker.cudagraph import Plans, StepRunner, dummy_plans, run_plans
+from pagedserve.worker.dummy_steps import Plans, StepRunner, dummy_plans, run_plans
 from pagedserve.worker.kv_cache import used_device_bytes
 
 if TYPE_CHECKING:

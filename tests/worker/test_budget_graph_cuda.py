@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.worker.cudagraph import CudaGraphMode
+from pagedserve.worker.capture_sizes import CudaGraphMode
 from tests.worker.conftest import TINY_LLAMA
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

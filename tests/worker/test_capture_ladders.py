@@ -12,7 +12,7 @@ from pagedserve.config import (
     default_piecewise_capture_sizes,
 )
 from pagedserve.model.shape import ModelShape
-from pagedserve.worker.cudagraph import HOST_BOUND_LAYER_FLOPS, capture_ladders
+from pagedserve.worker.capture_sizes import HOST_BOUND_LAYER_FLOPS, capture_ladders
 
 
 def test_default_ladders() -> None:

@@ -14,20 +14,18 @@ import torch
 from pagedserve.config import EngineConfig, default_capture_sizes, default_piecewise_capture_sizes
 from pagedserve.model.shape import ModelShape
 from pagedserve.worker import cudagraph
-from pagedserve.worker.cudagraph import (
+from pagedserve.worker.capture_sizes import (
     BatchDescriptor,
     CaptureLadders,
-    CudaGraphManager,
     CudaGraphMode,
-    GraphMemory,
     describe_batch,
-    full_graph_estimate,
     full_sizes,
     padded_buffer_sizes,
     padded_size,
     piecewise_sizes,
     prompt_lens,
 )
+from pagedserve.worker.cudagraph import CudaGraphManager, GraphMemory, full_graph_estimate
 from tests.worker.conftest import RunnerFactory
 
 DENSE = default_capture_sizes(512)  # 1, 2, 4, 8..256 by 8, 272..512 by 16
@@ -124,7 +122,7 @@ def test_bad_counts_are_refused() -> None:
         describe_batch(4, 3, None, H200, False)
 
 
-# ---- capture sizes and the FULL-graph memory estimate (worker/cudagraph.py) ----------------
+# ---- capture sizes and the FULL-graph memory estimate (worker/capture_sizes.py, cudagraph.py)
 
 
 def test_full_sizes_fit_slots_tokens_and_blocks_largest_first() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.worker import cudagraph
-from pagedserve.worker.cudagraph import (
+from pagedserve.worker.capture_sizes import (
     BatchDescriptor,
     CaptureLadders,
     CudaGraphMode,
