@@ -167,15 +167,26 @@ ALWAYS_INLINE Span span_at(const Work *w, const int32_t *table, int64_t t0, int6
     return s;
 }
 
-/* Asks for the cache block of token t (if the request has one) ahead of its use: a request's
- * blocks are scattered through the cache, so the hardware prefetcher cannot guess the next. */
-ALWAYS_INLINE void prefetch_block(const Work *w, const void *cache, const int32_t *table,
-                                  int64_t t, int64_t seq_len, const int is_bf16) {
-    if (t >= seq_len) return;
+/* The cache block of token t of a request (NULL past its last token), to be asked for ahead of
+ * its use: a request's blocks are scattered through the cache, so the hardware prefetcher
+ * cannot guess the next. */
+ALWAYS_INLINE const char *block_ahead(const Work *w, const void *cache, const int32_t *table,
+                                      int64_t t, int64_t seq_len, const int is_bf16) {
+    if (t >= seq_len) return NULL;
     const int64_t elem = is_bf16 ? 2 : 4;
-    const char *p = (const char *)cache + table[t / w->block_size] * w->cache_block_stride * elem;
-    const int64_t bytes = w->block_size * w->num_kv_heads * w->head_dim * elem;
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+    return (const char *)cache + table[t / w->block_size] * w->cache_block_stride * elem;
+}
+
+/* Part `part` of `parts` of the block at `p` (NULL: nothing) asked for into L2. A block's
+ * lines are asked for a part at a time over the span that reads the block before it: all at
+ * once, they fill the core's few miss buffers and the span's own loads wait behind them. */
+ALWAYS_INLINE void prefetch_part(const Work *w, const char *p, int64_t part, int64_t parts,
+                                 const int is_bf16) {
+    if (p == NULL) return;
+    const int64_t lines = (w->block_size * w->num_kv_heads * w->head_dim * (is_bf16 ? 2 : 4)
+                           + 63) / 64;
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; line++)
+        _mm_prefetch(p + 64 * line, _MM_HINT_T1);
 }
 
 /* Lane t = the sum of the 16 lanes of a[t]: a transpose-add tree (45 operations for the 16
@@ -246,16 +257,17 @@ ALWAYS_INLINE void span_scores(const Work *w, const int32_t *table, int64_t seq_
     const int64_t qelem = dp ? 2 : 4, kelem = is_bf16 ? 2 : 4;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < seq_len;) {
-        if (t0 % w->block_size == 0) { /* keys of the next block, or the values' first one */
-            const int64_t ahead = t0 + PREFETCH_BLOCKS * w->block_size;
-            const int64_t blocks = (seq_len + w->block_size - 1) / w->block_size;
-            const int64_t past = ahead - blocks * w->block_size;
-            if (past < 0) prefetch_block(w, w->key_cache, table, ahead, seq_len, is_bf16);
-            else prefetch_block(w, w->value_cache, table, past, seq_len, is_bf16);
+        const char *ahead = NULL; /* keys of a block ahead, or past the last, the values' first */
+        if (t0 % w->block_size == 0) {
+            const int64_t t = t0 + PREFETCH_BLOCKS * w->block_size;
+            const int64_t past = t - (seq_len + w->block_size - 1) / w->block_size * w->block_size;
+            ahead = past < 0 ? block_ahead(w, w->key_cache, table, t, seq_len, is_bf16)
+                             : block_ahead(w, w->value_cache, table, past, seq_len, is_bf16);
         }
         const Span s = span_at(w, table, t0, seq_len);
         const __mmask16 lanes = (__mmask16)((1u << s.n) - 1);
         for (int64_t h = 0; h < w->num_heads; h++) {
+            prefetch_part(w, ahead, h, w->num_heads, is_bf16);
             const char *key = (const char *)w->key_cache + (s.at + (h / group) * dim) * kelem;
             const __m512 dots = span_dots((const char *)q + h * dim * qelem, key, stride, s.n,
                                           dim, is_bf16, dp);
@@ -307,18 +319,26 @@ ALWAYS_INLINE void value_heads(float *acc, const float *p, const char *v, int64_
 
 /* acc[h] = sum over t of probs[h][t] * value[t][h / group] (dim a multiple of 16), a span at
  * a time, up to four heads of a group per value load. */
-ALWAYS_INLINE void span_values(const Work *w, const int32_t *table, int64_t seq_len,
+ALWAYS_INLINE void span_values(const Work *w, int64_t req, const int32_t *table, int64_t seq_len,
                                const float *probs, float *acc, const int64_t dim,
                                const int is_bf16) {
     const int64_t group = w->num_heads / w->num_kv_heads, stride = w->num_kv_heads * dim;
     const int64_t elem = is_bf16 ? 2 : 4;
     memset(acc, 0, (size_t)(w->num_heads * dim) * sizeof(float));
     for (int64_t t0 = 0; t0 < seq_len;) {
-        if (t0 % w->block_size == 0)
-            prefetch_block(w, w->value_cache, table, t0 + PREFETCH_BLOCKS * w->block_size, seq_len,
-                           is_bf16);
+        const char *ahead = NULL; /* values of a block ahead, or past the last, the next task's
+                                   * first keys (else they would be read cold) */
+        if (t0 % w->block_size == 0) {
+            const int64_t t = t0 + PREFETCH_BLOCKS * w->block_size;
+            const int64_t past = t - (seq_len + w->block_size - 1) / w->block_size * w->block_size;
+            if (past < 0) ahead = block_ahead(w, w->value_cache, table, t, seq_len, is_bf16);
+            else if (req + 1 < w->num_reqs)
+                ahead = block_ahead(w, w->key_cache, w->block_table + (req + 1) * w->table_stride,
+                                    past, w->seq_lens[req + 1], is_bf16);
+        }
         const Span s = span_at(w, table, t0, seq_len);
         for (int64_t g = 0; g < w->num_kv_heads; g++) {
+            prefetch_part(w, ahead, g, w->num_kv_heads, is_bf16);
             const char *v = (const char *)w->value_cache + (s.at + g * dim) * elem;
             for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
                 float *a = acc + h * dim;
@@ -358,7 +378,7 @@ ALWAYS_INLINE void task_body(const Work *w, int64_t req, float *buf, const int64
         }
         span_scores(w, table, seq_len, query, w->scale, probs, dim, is_bf16, dp);
         softmax_rows(probs, w->num_heads, seq_len);
-        span_values(w, table, seq_len, probs, acc, dim, is_bf16);
+        span_values(w, req, table, seq_len, probs, acc, dim, is_bf16);
         store_row(w->output, w->rows[req] * w->output_row_stride, acc, w->num_heads * dim, is_bf16);
         return;
     }

@@ -1,0 +1,82 @@
+"""The CPU decode attention kernel on its own: a decode step's attention over every layer.
+
+    python benchmarks/cpu_attention_bench.py [--requests 64] [--context 256,320]
+        [--layers 30] [--dtype bfloat16] [--threads 1] [--reps 15]
+
+Builds one paged KV cache per layer in the default model's attention shape (9 query heads,
+3 KV heads of 64, 16-token blocks), each request's blocks scattered through its cache, contexts
+uniform in the given range, random keys, values and queries; then calls the kernel
+(``attention/backends/cpu_native``, as the attention backend and the C decode step run it)
+once per layer, ``--reps`` times. Prints the min and median of the step's time and the KV bytes
+read per second at the min. One cache per layer, as in the engine, so the keys and values come
+from memory, not from a cache the previous layer warmed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedserve.attention.backends.cpu_native import load_paged_decode_kernel
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def paged_caches(layers: int, seq_lens: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+    """Per layer: (kv_cache [2, blocks, BLOCK, KV_HEADS, HEAD_DIM], block_table int32 [R, n])
+    with each request's blocks a random choice among the cache's."""
+    per_req = int((seq_lens.max() + BLOCK - 1) // BLOCK)
+    num_reqs = seq_lens.shape[0]
+    out = []
+    for _ in range(layers):
+        blocks = num_reqs * per_req + 1  # block 0 is the null block
+        cache = torch.randn(2, blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+        order = torch.randperm(blocks - 1)[: num_reqs * per_req] + 1
+        out.append((cache, order.view(num_reqs, per_req).to(torch.int32).contiguous()))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--context", default="256,320", help="low,high: contexts uniform in it")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args()
+    kernel = load_paged_decode_kernel()
+    if kernel is None:
+        raise SystemExit("cpu_attention_bench: the kernel did not build (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    low, high = (int(v) for v in args.context.split(","))
+    seq_lens = torch.randint(low, high + 1, (args.requests,), dtype=torch.int32)  # [R]
+    layers = paged_caches(args.layers, seq_lens, dtype)
+    query = torch.randn(args.requests, HEADS, HEAD_DIM).to(dtype)  # [R, HEADS, HEAD_DIM]
+    output = torch.empty_like(query)
+    rows = torch.arange(args.requests, dtype=torch.int64)  # [R]
+
+    def step() -> None:
+        for cache, table in layers:
+            kernel(query, cache, rows, table, seq_lens, HEAD_DIM**-0.5, output)
+
+    step()
+    times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    kv_bytes = int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize * args.layers
+    print(f"{args.requests} request(s) at context {low}..{high}, {args.layers} layers, "
+          f"{args.dtype}, {args.threads} thread(s): min {min(times) * 1e3:.2f} ms, median "
+          f"{statistics.median(times) * 1e3:.2f} ms a step; {kv_bytes / min(times) / 1e9:.1f} "
+          f"GB/s of keys and values at the min")
+
+
+if __name__ == "__main__":
+    main()
