@@ -28,14 +28,10 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.core.request_queue import check_priority
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.core.stats import SchedulerStats
+from pagedserve.engine.chat_messages import ChatRenderOptions
 from pagedserve.engine.core_client import EngineCoreClient
 from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
-from pagedserve.engine.input_processor import (
-    ChatRenderOptions,
-    InputProcessor,
-    ProcessedRequest,
-    PromptType,
-)
+from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.request_stream import (
     EngineNotReadyError,

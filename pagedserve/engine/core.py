@@ -27,8 +27,8 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
+from pagedserve.engine.chat_messages import load_chat_template
 from pagedserve.engine.gc_heap import freeze_startup_heap
-from pagedserve.engine.input_processor import load_chat_template
 from pagedserve.model.loader import get_max_model_len, model_class_of
 from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import platform_for, resolve_device, resolve_dtype

@@ -26,16 +26,14 @@ from pagedserve.config import (
 )
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.request_queue import check_priority
-from pagedserve.engine.core import EngineCore
-from pagedserve.engine.input_processor import (
+from pagedserve.engine.chat_messages import (
     ChatMessages,
     ChatRenderOptions,
-    InputProcessor,
-    ProcessedRequest,
-    PromptType,
     as_conversations,
     load_chat_template,
 )
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.deferred_interrupt import DeferredInterrupt
 from pagedserve.model.generation_config import default_sampling_values

@@ -6,12 +6,8 @@ import json
 
 import pytest
 
-from pagedserve.engine.input_processor import (
-    ChatRenderOptions,
-    InputProcessor,
-    generation_config_eos_ids,
-    load_chat_template,
-)
+from pagedserve.engine.chat_messages import ChatRenderOptions, load_chat_template
+from pagedserve.engine.input_processor import InputProcessor, generation_config_eos_ids
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.tiny_models import make_tokenizer
 

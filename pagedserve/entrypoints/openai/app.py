@@ -22,7 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
-from pagedserve.engine.input_processor import ChatRenderOptions
+from pagedserve.engine.chat_messages import ChatRenderOptions
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.chat_output import OutputParsing
 from pagedserve.entrypoints.openai.connection_cap import DEFAULT_MAX_CONNECTIONS, ConnectionCap

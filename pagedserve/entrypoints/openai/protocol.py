@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedserve.engine.input_processor import ChatRenderOptions, check_unicode
+from pagedserve.engine.chat_messages import ChatRenderOptions
+from pagedserve.engine.input_processor import check_unicode
 from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.entrypoints.openai.tools_protocol import MessageToolCall, ToolFields
