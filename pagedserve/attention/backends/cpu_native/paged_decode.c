@@ -20,8 +20,9 @@
  * contiguous run); `num_threads` OpenMP threads share the requests. With AVX512 and D a
  * multiple of 16, a block is read as runs of up to 16 tokens: one score vector of 16 tokens per
  * query head, values summed straight from the cache for up to four heads of a group per load,
- * and the cache blocks two ahead prefetched (a request's blocks are scattered); other builds
- * and head sizes take plain loops over an fp32 copy of each block.
+ * and the cache blocks two ahead prefetched a part per head (a request's blocks are scattered),
+ * the next request's first keys after a request's last values; other builds and head sizes take
+ * plain loops over an fp32 copy of each block.
  */
 #include <stdint.h>
 
