@@ -14,8 +14,7 @@ CUDA the Triton one, ``kernels/fp8_rows.py``).
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +22,7 @@ from pagedserve.layers.activation import SiluAndMul, silu_and_mul_torch
 from pagedserve.layers.layernorm import RMSNorm, add_rms_norm_torch, kernel_applies
 from pagedserve.layers.quantization.fp8_ops import (
     Fp8Activation,
+    fp8_kernels,
     quantize_per_token,
     quantize_rows,
 )
@@ -60,7 +60,7 @@ class Fp8RMSNorm(RMSNorm):
                 q, scale, summed = torch.ops.pagedserve.fused_add_rms_norm_fp8(
                     x, residual, self.weight, self.eps)
             else:
-                q, scale, summed = _kernels().fused_add_rms_norm_fp8(
+                q, scale, summed = fp8_kernels().fused_add_rms_norm(
                     x, residual, self.weight, self.eps)
             return Fp8Activation(q, scale, x.dtype), summed
         normed, summed = add_rms_norm_torch(x, residual, self.weight, self.eps)
@@ -75,7 +75,7 @@ class Fp8SiluAndMul(SiluAndMul):
             if torch.compiler.is_compiling():
                 q, scale = torch.ops.pagedserve.silu_and_mul_fp8(x)
             else:
-                q, scale = _kernels().silu_and_mul_fp8(x)
+                q, scale = fp8_kernels().silu_and_mul(x)
             return Fp8Activation(q, scale, x.dtype)
         return _quantized(silu_and_mul_torch(x))
 
@@ -85,25 +85,11 @@ FP8_INPUT_LAYERS = InputLayers(Fp8RMSNorm, Fp8SiluAndMul)
 """Where the linear layers quantize their activations per token on FP8 tensor cores."""
 
 
-class _Kernels(NamedTuple):
-    fused_add_rms_norm_fp8: Any
-    silu_and_mul_fp8: Any
-
-
-@functools.cache
-def _kernels() -> _Kernels:
-    """Imported on first use: Triton is only needed (and installed) where CUDA runs."""
-    from pagedserve.kernels.rms_norm import fused_add_rms_norm_fp8
-    from pagedserve.kernels.silu_and_mul import silu_and_mul_fp8
-
-    return _Kernels(fused_add_rms_norm_fp8, silu_and_mul_fp8)
-
-
 @torch.library.custom_op("pagedserve::fused_add_rms_norm_fp8", mutates_args=())
 def _fused_add_rms_norm_fp8_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels().fused_add_rms_norm_fp8(x, residual, weight, eps)
+    return fp8_kernels().fused_add_rms_norm(x, residual, weight, eps)
 
 
 @_fused_add_rms_norm_fp8_op.register_fake
@@ -114,7 +100,7 @@ def _fused_add_rms_norm_fp8_fake(x, residual, weight, eps):  # noqa: ANN001, ANN
 
 @torch.library.custom_op("pagedserve::silu_and_mul_fp8", mutates_args=())
 def _silu_and_mul_fp8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels().silu_and_mul_fp8(x)
+    return fp8_kernels().silu_and_mul(x)
 
 
 @_silu_and_mul_fp8_op.register_fake

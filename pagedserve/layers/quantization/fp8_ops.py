@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,22 +64,29 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.unsqueeze(-1)
 
 
-QuantizeRows = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+class Fp8Kernels(NamedTuple):
+    """The Triton kernels that write activations as FP8 with a scale per token."""
 
-
-def _row_kernel_for(x: torch.Tensor) -> QuantizeRows | None:
-    """The Triton quantization kernel for x's device: CUDA with Triton installed, else None."""
-    return _row_kernel() if x.is_cuda else None
+    quantize_rows: Any  # kernels/fp8_rows.quantize_rows_fp8
+    fused_add_rms_norm: Any  # kernels/rms_norm.fused_add_rms_norm_fp8
+    silu_and_mul: Any  # kernels/silu_and_mul.silu_and_mul_fp8
 
 
 @functools.cache
-def _row_kernel() -> QuantizeRows | None:
+def fp8_kernels() -> Fp8Kernels:
     """Imported on first use: Triton is only needed (and installed) where CUDA runs."""
-    if not triton_available():
-        return None
     from pagedserve.kernels.fp8_rows import quantize_rows_fp8
+    from pagedserve.kernels.rms_norm import fused_add_rms_norm_fp8
+    from pagedserve.kernels.silu_and_mul import silu_and_mul_fp8
 
-    return quantize_rows_fp8
+    return Fp8Kernels(quantize_rows_fp8, fused_add_rms_norm_fp8, silu_and_mul_fp8)
+
+
+def _row_kernel_for(
+    x: torch.Tensor,
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The Triton quantization kernel for x's device: CUDA with Triton installed, else None."""
+    return fp8_kernels().quantize_rows if x.is_cuda and triton_available() else None
 
 
 def quantize_static(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
