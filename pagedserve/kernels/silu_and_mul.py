@@ -137,7 +137,7 @@ def silu_and_mul_fp8(
     where it fits in a program's registers, else ``silu_and_mul_fp8_two_pass``."""
     x, num_tokens, d = _gate_up(x)
     if d > ONE_PASS_MAX_COLS:
-        return silu_and_mul_fp8_two_pass(x)
+        return silu_and_mul_fp8_two_pass(x, num_warps=num_warps or NUM_WARPS)
     out, scale = _fp8_outputs(x, num_tokens, d)  # float8 [num_tokens, d], fp32 [num_tokens, 1]
     if num_tokens > 0:
         block = triton.next_power_of_2(d)
