@@ -177,6 +177,12 @@ ALWAYS_INLINE const char *block_ahead(const Work *w, const void *cache, const in
     return (const char *)cache + table[t / w->block_size] * w->cache_block_stride * elem;
 }
 
+/* How far token position t lies past the end of a request's last cache block (negative: t is
+ * inside its blocks): where the read-ahead moves on from keys to values, or to the next task. */
+ALWAYS_INLINE int64_t past_last_block(const Work *w, int64_t t, int64_t seq_len) {
+    return t - (seq_len + w->block_size - 1) / w->block_size * w->block_size;
+}
+
 /* Part `part` of `parts` of the block at `p` (NULL: nothing) asked for into L2. A block's
  * lines are asked for a part at a time over the span that reads the block before it: all at
  * once, they fill the core's few miss buffers and the span's own loads wait behind them. */
@@ -260,7 +266,7 @@ ALWAYS_INLINE void span_scores(const Work *w, const int32_t *table, int64_t seq_
         const char *ahead = NULL; /* keys of a block ahead, or past the last, the values' first */
         if (t0 % w->block_size == 0) {
             const int64_t t = t0 + PREFETCH_BLOCKS * w->block_size;
-            const int64_t past = t - (seq_len + w->block_size - 1) / w->block_size * w->block_size;
+            const int64_t past = past_last_block(w, t, seq_len);
             ahead = past < 0 ? block_ahead(w, w->key_cache, table, t, seq_len, is_bf16)
                              : block_ahead(w, w->value_cache, table, past, seq_len, is_bf16);
         }
@@ -330,7 +336,7 @@ ALWAYS_INLINE void span_values(const Work *w, int64_t req, const int32_t *table,
                                    * first keys (else they would be read cold) */
         if (t0 % w->block_size == 0) {
             const int64_t t = t0 + PREFETCH_BLOCKS * w->block_size;
-            const int64_t past = t - (seq_len + w->block_size - 1) / w->block_size * w->block_size;
+            const int64_t past = past_last_block(w, t, seq_len);
             if (past < 0) ahead = block_ahead(w, w->value_cache, table, t, seq_len, is_bf16);
             else if (req + 1 < w->num_reqs)
                 ahead = block_ahead(w, w->key_cache, w->block_table + (req + 1) * w->table_stride,
