@@ -14,7 +14,7 @@ import pytest
 from tests.engine.tiny_models import save_checkpoint
 from tests.entrypoints.openai.server_utils import ServerProcess
 from tests.reliability.reliability_utils import start_servers
-from tests.reliability.server_configs import LIFECYCLE_MAX_MODEL_LEN, SERVER_ARGS
+from tests.reliability.server_configs import LIFECYCLE_MAX_MODEL_LEN, SERVER_ARGS, SERVER_ENV
 
 FIGURES = pytest.StashKey[dict[str, object]]()
 
@@ -48,7 +48,8 @@ def servers(
         if name in SERVER_ARGS
     }
     log_dir = tmp_path_factory.mktemp("server_logs")
-    started = start_servers(tiny_model_dir, log_dir, {n: SERVER_ARGS[n] for n in sorted(wanted)})
+    started = start_servers(tiny_model_dir, log_dir, {n: SERVER_ARGS[n] for n in sorted(wanted)},
+                            SERVER_ENV)
     try:
         yield started
     finally:

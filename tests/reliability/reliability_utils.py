@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,10 +139,12 @@ async def leave_after_delay(coro: asyncio.Future, delay: float) -> None:
 
 
 def start_servers(
-    model_dir: Path, log_dir: Path, configs: dict[str, tuple[str, ...]]
+    model_dir: Path, log_dir: Path, configs: dict[str, tuple[str, ...]],
+    envs: Mapping[str, Mapping[str, str]],
 ) -> dict[str, ServerProcess]:
-    """Start several servers at once (their start-ups overlap); wait with ``wait_ready``."""
+    """Start several servers at once (their start-ups overlap); wait with ``wait_ready``.
+    ``configs``: name -> options; ``envs``: name -> environment variables (where any)."""
     return {
-        name: ServerProcess(model_dir, log_dir / f"{name}.log", *args)
+        name: ServerProcess(model_dir, log_dir / f"{name}.log", *args, env=envs.get(name))
         for name, args in configs.items()
     }

@@ -58,3 +58,13 @@ SERVER_ARGS: dict[str, tuple[str, ...]] = {
 }
 """Fixture name -> options (after the defaults of ``ServerProcess``: max_model_len
 ``MAX_MODEL_LEN``, float32)."""
+
+SHAPE_CACHES_OFF = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "1"}
+"""oneDNN's primitive cache and torch's (ideep's) cache of matmul set-ups each keep up to 1,024
+entries, one per new batch shape, so a CPU engine's RSS grows by tens of MiB over its first
+thousands of distinct steps and then stays (docs/cpu.md#threads-and-the-allocator). A server
+that measures its memory before and after a load runs without them, so that only a leak
+grows it."""
+
+SERVER_ENV: dict[str, dict[str, str]] = {"main_server": SHAPE_CACHES_OFF}
+"""Fixture name -> environment variables beside the test run's."""

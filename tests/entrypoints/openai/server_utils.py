@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,7 +45,8 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m pagedserve.entrypoints.cli serve MODEL ...`` as a child process."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str,
+                 env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -69,7 +70,8 @@ class ServerProcess:
             "warning",
             *extra_args,
         ]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", PYTHONUNBUFFERED="1",
+                   **(env or {}))
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
