@@ -4,7 +4,10 @@
 1. starts the Llama-3-8B shape (dummy bf16 weights) twice, each in a fresh subprocess sharing
    one fresh compile cache (``XDG_CACHE_HOME`` and ``TRITON_CACHE_DIR`` in a temporary
    folder): cold, then warm. Each start reports its phases (the engine's start-up log records)
-   and its time to ready, counted from before ``import torch``;
+   and its time to ready, counted from before ``import torch``, with the moments the imports
+   finished, and the Triton kernels compiled in the engine's process (Triton's compilation
+   listener: per kernel, how many variants and seconds, cache hits apart; Inductor compiles
+   its kernels in worker processes, inside the ``compile`` phase);
 2. reports the CUDA-graph memory the KV budget subtracted (PIECEWISE measured + FULL estimate)
    next to what the graphs hold after the real capture, and the KV cache's bytes;
 3. checks the free memory right after start-up and after the largest step (the allocator keeps
@@ -147,6 +150,36 @@ def _greedy(llm: Any, prompts: list[list[int]], num_tokens: int) -> list[dict]:
             for o in outputs]
 
 
+class TritonCompiles:
+    """Triton's compilation listener (``triton.knobs.compilation.listener``): each kernel
+    variant compiled in this process, or found in Triton's cache, with its compile time."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any,
+                 cache_hit: bool) -> None:
+        self.records.append({"kernel": getattr(src, "name", "?"), "cache_hit": cache_hit,
+                             "seconds": times.total / 1e6,
+                             "done_at_s": time.perf_counter() - _T0})
+
+    def summary(self, top: int = 12) -> dict[str, Any]:
+        """Compiles and cache hits, their seconds, and the ``top`` kernels by compile time."""
+        compiled = [r for r in self.records if not r["cache_hit"]]
+        by_kernel: dict[str, dict[str, float]] = {}
+        for r in compiled:
+            entry = by_kernel.setdefault(r["kernel"], {"variants": 0, "seconds": 0.0})
+            entry["variants"] += 1
+            entry["seconds"] = round(entry["seconds"] + r["seconds"], 3)
+        ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1]["seconds"])
+        return {"compiled": len(compiled),
+                "compile_seconds": round(sum(r["seconds"] for r in compiled), 3),
+                "cache_hits": len(self.records) - len(compiled),
+                "first_done_at_s": round(min((r["done_at_s"] for r in compiled), default=0), 2),
+                "last_done_at_s": round(max((r["done_at_s"] for r in compiled), default=0), 2),
+                "by_kernel": dict(ranked[:top])}
+
+
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     collector = PhaseCollector()
     package_logger = logging.getLogger("pagedserve")
@@ -155,8 +188,16 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # pagedserve's INFO lines too
     import torch
 
+    marks = {"torch imported": time.perf_counter() - _T0}
+    import triton
+
+    compiles = TritonCompiles()
+    triton.knobs.compilation.listener = compiles
+
     from pagedserve import LLM
     from pagedserve.entrypoints.bench.memory_report import free_at_largest_step, memory_report
+
+    marks["pagedserve imported"] = time.perf_counter() - _T0
 
     prompts = json.loads(Path(args.prompts_file).read_text())
     llm = LLM(model=args.model_dir, load_format="dummy", dtype="bfloat16",
@@ -167,6 +208,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     free_after_start, total = torch.cuda.mem_get_info()
     result: dict[str, Any] = {
         "ready_s": round(ready_s, 2), "phases": collector.phases,
+        "marks": {k: round(v, 2) for k, v in marks.items()},
+        "triton_compiles": compiles.summary(),
         "kv_budget": collector.kv_budget, "card_bytes": total,
         "free_after_start_bytes": free_after_start, **memory_report(llm),
         # Before any request: the step needs every request slot.
@@ -221,8 +264,17 @@ def _print_start(name: str, r: dict) -> None:
     if "error" in r:
         print(f"[{name}] ERROR {r['error']}\n{r.get('stderr_tail', '')}", flush=True)
         return
+    for mark, at in r.get("marks", {}).items():
+        print(f"[{name}] {mark:<28} at {at:5.2f} s", flush=True)
     for p in r["phases"]:
         print(f"[{name}] {p['phase']:<28} {p['seconds']:8.2f} s", flush=True)
+    if "triton_compiles" in r:
+        t = r["triton_compiles"]
+        print(f"[{name}] Triton, in process: {t['compiled']} variants compiled in "
+              f"{t['compile_seconds']:.1f} s (done {t['first_done_at_s']}..{t['last_done_at_s']} s), "
+              f"{t['cache_hits']} cache hits; by kernel: "
+              + ", ".join(f"{k} {v['variants']}x {v['seconds']:.1f} s" for k, v in t["by_kernel"].items()),
+              flush=True)
     target = TARGETS_S.get(name)
     verdict = "" if target is None else f" (target <= {target:.0f} s: " \
         f"{'met' if r['ready_s'] <= target else 'NOT met'})"

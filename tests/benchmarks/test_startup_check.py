@@ -1,10 +1,15 @@
 """The CPU-side parts of benchmarks/startup_check.py: arguments, the record collector, the
-token comparison and the memory verdicts (the script itself needs a GPU)."""
+token comparison, the memory verdicts and the Triton compile records (the script itself needs a
+GPU)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -80,3 +85,32 @@ def test_divergence_margins(check: ModuleType) -> None:
     # neither top-3 holds the other's token: each margin is a lower bound (top-1 minus 3rd)
     assert check.divergence_margins(a, c, 1) == {"a": 2.0, "a_bound": True,
                                                  "b": 0.5, "b_bound": True}
+
+
+_LISTEN = """
+import importlib.util, json, sys, torch, triton
+spec = importlib.util.spec_from_file_location("startup_check", sys.argv[1])
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+from pagedserve.kernels.attention_ptx import compile_attention
+from pagedserve.kernels.paged_attention import KeyLoopLaunch
+compiles = check.TritonCompiles()
+triton.knobs.compilation.listener = compiles
+for _ in range(2):  # compiled, then found in the cache
+    compile_attention("decode", torch.bfloat16, KeyLoopLaunch(tile_n=64, num_stages=1))
+print(json.dumps(compiles.summary()))
+"""
+
+
+def test_triton_compiles_are_counted_with_cache_hits_apart(tmp_path: Path) -> None:
+    # Compiled for sm_90 on the CPU, so not under the interpreter; a fresh cache.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": str(SCRIPT.parents[1])}
+    done = subprocess.run([sys.executable, "-c", _LISTEN, str(SCRIPT)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["compiled"] == 1 and summary["cache_hits"] == 1
+    assert list(summary["by_kernel"]) == ["_split_kv_kernel"]
+    assert summary["by_kernel"]["_split_kv_kernel"]["variants"] == 1
+    assert 0 < summary["compile_seconds"] <= summary["last_done_at_s"]
