@@ -9,8 +9,9 @@ waited for the host. Results go to DIR/profile.json (and a Chrome trace of the b
 
 The ``prefill`` scenario times a few steps of a full token budget of new prompts each and, as
 well as their kernel time, lists the torch ops of one such step by self CPU time (an op that
-waits for the GPU, such as ``aten::item``, shows there) and the caching allocator's device
-allocations: what to look at when its host gap grows.
+waits for the GPU, such as ``aten::item``, shows there), the caching allocator's device
+allocations, and the calls that made the host wait for the GPU during one step (torch's CUDA
+sync debug mode, by the Python line that made them): what to look at when its host gap grows.
 
 Scenarios drive the engine step by step (``LLM.add_request`` / ``LLM.step``), so a step here
 is exactly one engine step: schedule, prepare inputs, forward, sample, update. The ``sweep``
@@ -184,8 +185,30 @@ def prefill_scenario(llm: LLM, out: Path) -> dict:
     new_prompts()
     result["host_ops"] = host_ops(llm)
     finish_all(llm)
+    new_prompts()
+    result["host_syncs"] = host_syncs(llm)
+    finish_all(llm)
     print("[prefill] " + json.dumps(result), flush=True)
     return result
+
+
+def host_syncs(llm: LLM, top: int = 12) -> dict[str, int]:
+    """One step with torch's CUDA sync debug mode on: each call that made the host wait for
+    the GPU (``.item()``, a blocking copy to the host, a stream synchronize), as
+    ``file:line message`` of the Python line that made it, with its count. A step has one
+    by design (its sampled tokens reach the host); more, inside the forward, stall it."""
+    import warnings
+    from collections import Counter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = Counter(f"{Path(w.filename).name}:{w.lineno} {str(w.message)[:70]}" for w in caught)
+    return dict(lines.most_common(top))
 
 
 def host_ops(llm: LLM, top: int = 15) -> dict[str, dict[str, float]]:
