@@ -153,23 +153,62 @@ ALWAYS_INLINE void store16(void *out, int64_t at, __m512 x, const int is_bf16) {
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
 }
 
-/* Key t (cache element `at`) into its tile's lane t % 16, or zeros (at < 0: a tile's keys
- * past the last, whose scores no vector reads, kept finite). */
-ALWAYS_INLINE void pack_key(const Prefill *a, int64_t at, int64_t t, const Scratch *b,
-                            const int64_t dim, const int is_bf16, const int pairs) {
-    const int64_t j = t % TILE;
-    if (pairs) { /* a pair of bf16 moves as one 32-bit word */
-        uint32_t *dst = (uint32_t *)b->keys + t / TILE * TILE * (dim / 2) + j;
-        const uint16_t *k = (const uint16_t *)a->key_cache + at;
-        for (int64_t dp = 0; dp < dim / 2; dp++) {
-            uint32_t w = 0;
-            if (at >= 0) memcpy(&w, k + 2 * dp, sizeof w);
-            dst[dp * TILE] = w;
+/* r[0..15]: 16 rows of 16 32-bit words, transposed in place (r[w] lane j = word w of row j):
+ * pairs of words, then of their pairs, within 128-bit lanes, then the lanes across vectors. */
+ALWAYS_INLINE void transpose16(__m512i *r) {
+    __m512i t[16];
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) { /* u_q lane k: word 4k + q of rows i .. i + 3 */
+        const __m512i ab0 = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        const __m512i ab1 = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        const __m512i cd0 = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
+        const __m512i cd1 = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
+        t[i] = _mm512_unpacklo_epi64(ab0, cd0);
+        t[i + 1] = _mm512_unpackhi_epi64(ab0, cd0);
+        t[i + 2] = _mm512_unpacklo_epi64(ab1, cd1);
+        t[i + 3] = _mm512_unpackhi_epi64(ab1, cd1);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) { /* word 4k + q: lane k of t[q], t[4 + q], t[8 + q], t[12 + q] */
+        const __m512i v0 = _mm512_shuffle_i32x4(t[q], t[4 + q], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(t[q], t[4 + q], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(t[8 + q], t[12 + q], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(t[8 + q], t[12 + q], 0xee);
+        r[q] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + q] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[8 + q] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + q] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+/* Key tile `tile` (keys 16 tile .. 16 tile + 15; those from n on zeros, their scores unread)
+ * into its layout: a key row is a row of 32-bit words (pairs of bf16, or fp32, bf16 widened
+ * without pairs), transposed 16 words at a time. */
+ALWAYS_INLINE void pack_key_tile(const Prefill *a, const int32_t *table, int64_t g, int64_t n,
+                                 int64_t tile, const Scratch *b, const int64_t dim,
+                                 const int is_bf16, const int pairs) {
+    const int64_t words = pairs ? dim / 2 : dim, elem = is_bf16 ? 2 : 4;
+    const char *row[TILE];
+#pragma GCC unroll 16
+    for (int j = 0; j < TILE; j++) {
+        const int64_t t = tile * TILE + j;
+        row[j] = t < n ? (const char *)a->key_cache + cache_at(a, table, t, g) * elem : NULL;
+    }
+    uint32_t *dst = (uint32_t *)b->keys + tile * TILE * words;
+    for (int64_t w0 = 0; w0 < words; w0 += 16) {
+        const int64_t left = words - w0 < 16 ? words - w0 : 16; /* pairs: 8 where dim % 32 */
+        const __mmask16 mask = (__mmask16)_bzhi_u32(0xffffu, (uint32_t)left);
+        __m512i r[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < TILE; j++) {
+            if (row[j] == NULL) r[j] = _mm512_setzero_si512();
+            else if (pairs || !is_bf16) r[j] = _mm512_maskz_loadu_epi32(mask, row[j] + w0 * 4);
+            else r[j] = _mm512_castps_si512(load16(row[j], w0, 1));
         }
-    } else {
-        float *dst = (float *)b->keys + t / TILE * TILE * dim + j;
-        for (int64_t d = 0; d < dim; d++)
-            dst[d * TILE] = at >= 0 ? load(a->key_cache, at + d, is_bf16) : 0.0f;
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int w = 0; w < 16; w++)
+            if (w < left) _mm512_storeu_si512(dst + (w0 + w) * TILE, r[w]);
     }
 }
 
@@ -188,12 +227,12 @@ ALWAYS_INLINE void pack_value_pair(const Prefill *a, int64_t at0, int64_t at1, u
     }
 }
 
-/* Keys and values 0 .. n-1 into the layouts of Scratch; the last key tile zero-filled. */
+/* Keys and values 0 .. n-1 into the layouts of Scratch. */
 ALWAYS_INLINE void pack_kv(const Prefill *a, const int32_t *table, int64_t g, int64_t n,
                            const Scratch *b, const int64_t dim, const int is_bf16,
                            const int pairs) {
-    for (int64_t t = 0; t < (n + TILE - 1) / TILE * TILE; t++)
-        pack_key(a, t < n ? cache_at(a, table, t, g) : -1, t, b, dim, is_bf16, pairs);
+    for (int64_t tile = 0; tile < (n + TILE - 1) / TILE; tile++)
+        pack_key_tile(a, table, g, n, tile, b, dim, is_bf16, pairs);
     if (pairs) {
         for (int64_t t = 0; t < n; t += 2)
             pack_value_pair(a, cache_at(a, table, t, g),
@@ -267,51 +306,73 @@ ALWAYS_INLINE void block_scores(const Prefill *a, const Block *blk, const Scratc
     for (; t < tiles; t++) score_tiles(a, blk, b, t, dim, pairs, 1);
 }
 
-/* 2^t for t <= 0, 16 lanes: 2^n 2^f with n = round(t), |f| <= 1/2 (f = t - n exact), 2^f by
- * its Taylor polynomial in f ln 2 to degree 7 (relative error under 1e-8 against fp32's 6e-8),
- * 2^n by vscalefps (lanes below -150 give 0). */
-ALWAYS_INLINE __m512 exp2_16(__m512 t) {
-    static const float c[8] = {1.0f, 6.931471806e-1f, 2.402265070e-1f, 5.550410866e-2f,
-                               9.618129108e-3f, 1.333355815e-3f, 1.540353039e-4f,
-                               1.525273380e-5f}; /* (ln 2)^k / k! */
+/* 2^t for t <= 0, 16 lanes: 2^n 2^f with n = round(t), |f| <= 1/2 (f = t - n exact), 2^n by
+ * vscalefps (lanes below -150 give 0). 2^f by a polynomial fitted to it on [-1/2, 1/2] for
+ * least relative error: degree 6 (error under 1e-7, fp32's rounding) where the probabilities
+ * stay fp32; degree 4 (under 3e-6) where they are rounded to bf16 (2^-9) next. */
+ALWAYS_INLINE __m512 exp2_16(__m512 t, const int pairs) {
+    static const float fp32[7] = {1.0f, 0.6931471825f, 0.2402264625f, 0.05550328642f,
+                                  0.009618489072f, 0.001339993090f, 0.0001534580661f};
+    static const float bf16[5] = {0.9999992847f, 0.6931217909f, 0.2402474433f, 0.05591785908f,
+                                  0.009570096619f};
+    const float *c = pairs ? bf16 : fp32;
+    const int degree = pairs ? 4 : 6;
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(c[7]);
-#pragma GCC unroll 7
-    for (int k = 6; k >= 0; k--) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+    __m512 p = _mm512_set1_ps(c[degree]);
+#pragma GCC unroll 6
+    for (int k = degree - 1; k >= 0; k--) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
     return _mm512_scalef_ps(p, n);
 }
 
-/* Row s[0 : seen] of scores (s padded to whole tiles) -> e = exp(scale (s - max)) as
- * 2^((s - max) scale log2 e), 0 from seen to `end` (rounded up to a tile); with `pairs` e is
- * rounded to bf16 into p, else kept in s. Returns 1 / the sum of what the weighted values
- * multiply by. */
-ALWAYS_INLINE float softmax_row(float *s, uint16_t *p, int64_t seen, int64_t end, float scale,
-                                const int pairs) {
-    const int64_t full = seen / TILE; /* whole tiles of seen scores; then one masked */
-    const __mmask16 last = (__mmask16)((1u << (seen % TILE)) - 1);
-    __m512 max = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < full; i++) max = _mm512_max_ps(max, _mm512_loadu_ps(s + i * TILE));
-    max = _mm512_mask_max_ps(max, last, max, _mm512_maskz_loadu_ps(last, s + full * TILE));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(max));
-    const __m512 c = _mm512_set1_ps(scale * 1.442695041f);
+/* Lanes of tile i that hold keys a row of `seen` keys sees. */
+ALWAYS_INLINE __mmask16 seen_lanes(int64_t seen, int64_t i) {
+    const int64_t n = seen - i * TILE;
+    return (__mmask16)_bzhi_u32(0xffffu, n < 0 ? 0 : n > TILE ? TILE : (uint32_t)n);
+}
+
+/* The block's score rows -> e = exp(scale (s - max)), computed as 2^(s c - max c), c = scale log2 e,
+ * for the keys each vector sees, 0 for the others up to `end` (rounded up to a tile); with
+ * `pairs` e is rounded to bf16 into probs, else kept in scores. inv[m] = 1 / the sum of the
+ * e that the weighted values multiply by. The MB rows go through each pass together: their
+ * chains of exponentials and sums overlap. */
+ALWAYS_INLINE void block_softmax(const Block *blk, const Scratch *b, int64_t end, float scale,
+                                 float *inv, const int pairs) {
+    const int64_t tiles = (blk->seen_max + TILE - 1) / TILE;
+    __m512 max[MB], sum[MB];
+#pragma GCC unroll 6
+    for (int m = 0; m < MB; m++) max[m] = _mm512_set1_ps(-FLT_MAX), sum[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < tiles; i++)
+#pragma GCC unroll 6
+        for (int m = 0; m < MB; m++)
+            max[m] = _mm512_mask_max_ps(max[m], seen_lanes(blk->seen[m], i), max[m],
+                                        _mm512_loadu_ps(b->scores + m * b->padded + i * TILE));
+    const __m512 c = _mm512_set1_ps(scale * 1.442695041f); /* log2 e */
+#pragma GCC unroll 6 /* max[m]: now max * c, every lane */
+    for (int m = 0; m < MB; m++) max[m] = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(max[m])), c);
+    float *scores = b->scores;
+    uint16_t *probs = b->probs;
     for (int64_t i = 0; i * TILE < end; i++) {
-        const __mmask16 keep = i < full ? (__mmask16)0xffff : i == full ? last : 0;
-        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i * TILE), top), c);
-        __m512 e = _mm512_maskz_mov_ps(keep, exp2_16(x));
-        if (pairs) {
-            const __m512i bits = _mm512_castps_si512(e);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            const __m512i r = _mm512_srli_epi32(
-                _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-            _mm256_storeu_si256((__m256i *)(p + i * TILE), _mm512_cvtepi32_epi16(r));
-            e = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
-        } else {
-            _mm512_storeu_ps(s + i * TILE, e);
+#pragma GCC unroll 6
+        for (int m = 0; m < MB; m++) {
+            float *s = scores + m * b->padded + i * TILE;
+            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s), c, max[m]); /* <= ~0 */
+            const __m512 e = _mm512_maskz_mov_ps(seen_lanes(blk->seen[m], i), exp2_16(x, pairs));
+#if HAVE_DPBF16
+            if (pairs) { /* rounded to nearest even (e >= 0, no NaN) */
+                const __m256i r = (__m256i)_mm512_cvtneps_pbh(e);
+                _mm256_storeu_si256((__m256i *)(probs + m * b->padded + i * TILE), r);
+                sum[m] = _mm512_add_ps(sum[m], _mm512_castsi512_ps(
+                                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+                continue;
+            }
+#endif
+            _mm512_storeu_ps(s, e);
+            sum[m] = _mm512_add_ps(sum[m], e);
         }
-        sum = _mm512_add_ps(sum, e);
     }
-    return 1.0f / _mm512_reduce_add_ps(sum);
+#pragma GCC unroll 6
+    for (int m = 0; m < MB; m++) inv[m] = 1.0f / _mm512_reduce_add_ps(sum[m]);
 }
 
 /* Output columns c0 .. c0 + 16 W of the block's vectors: inv[m] * the sum over keys t < end
@@ -375,9 +436,7 @@ ALWAYS_INLINE void attend_block(const Prefill *a, const Block *blk, const Scratc
     block_scores(a, blk, b, dim, pairs);
     const int64_t end = pairs ? (blk->seen_max + 1) / 2 * 2 : blk->seen_max;
     float inv[MB];
-    for (int m = 0; m < MB; m++)
-        inv[m] = softmax_row(b->scores + m * b->padded, b->probs + m * b->padded, blk->seen[m],
-                             end, a->scale, pairs);
+    block_softmax(blk, b, end, a->scale, inv, pairs);
     int64_t c = 0;
     for (; c + 16 * WV <= dim; c += 16 * WV)
         value_columns(a, blk, b, end, c, inv, dim, is_bf16, pairs, WV);
