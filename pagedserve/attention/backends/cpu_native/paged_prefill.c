@@ -60,12 +60,14 @@ typedef struct {
  *   probs bf16 [MB][padded]
  * else (fp32 products): keys fp32 [tile][D][16], vals fp32 [t][D], the probabilities in
  * `scores` in place; the plain path keeps keys as vals, [t][D].
- * scores fp32 [MB][padded]; qf fp32 [MB][D]: the block's query vectors widened. */
+ * scores fp32 [MB][padded]; qf fp32 [MB][D]: the block's query vectors widened.
+ * keys and vals hold keys 0 .. packed - 1 of request `req`, KV head g (req -1: none): a task
+ * of the same pair packs only the keys past them. */
 typedef struct {
     void *keys, *vals;
     uint16_t *probs;
     float *scores, *qf;
-    int64_t padded;
+    int64_t padded, req, g, packed;
 } Scratch;
 
 /* Cache row of key t of KV head g of a request (table: its block-table row). */
@@ -227,19 +229,19 @@ ALWAYS_INLINE void pack_value_pair(const Prefill *a, int64_t at0, int64_t at1, u
     }
 }
 
-/* Keys and values 0 .. n-1 into the layouts of Scratch. */
-ALWAYS_INLINE void pack_kv(const Prefill *a, const int32_t *table, int64_t g, int64_t n,
-                           const Scratch *b, const int64_t dim, const int is_bf16,
+/* Keys and values from..n-1 (from a multiple of TILE) into the layouts of Scratch. */
+ALWAYS_INLINE void pack_kv(const Prefill *a, const int32_t *table, int64_t g, int64_t from,
+                           int64_t n, const Scratch *b, const int64_t dim, const int is_bf16,
                            const int pairs) {
-    for (int64_t tile = 0; tile < (n + TILE - 1) / TILE; tile++)
+    for (int64_t tile = from / TILE; tile < (n + TILE - 1) / TILE; tile++)
         pack_key_tile(a, table, g, n, tile, b, dim, is_bf16, pairs);
     if (pairs) {
-        for (int64_t t = 0; t < n; t += 2)
+        for (int64_t t = from; t < n; t += 2)
             pack_value_pair(a, cache_at(a, table, t, g),
                             t + 1 < n ? cache_at(a, table, t + 1, g) : -1,
                             (uint32_t *)b->vals + t / 2 * dim, dim);
     } else {
-        for (int64_t t = 0; t < n; t++)
+        for (int64_t t = from; t < n; t++)
             load_row(a->value_cache, cache_at(a, table, t, g), (float *)b->vals + t * dim, dim,
                      is_bf16);
     }
@@ -443,12 +445,19 @@ ALWAYS_INLINE void attend_block(const Prefill *a, const Block *blk, const Scratc
     for (; c < dim; c += 16) value_columns(a, blk, b, end, c, inv, dim, is_bf16, pairs, 1);
 }
 
-/* One task (head_dim a multiple of 16): pack, then its query vectors a block at a time. */
-ALWAYS_INLINE void vector_task(const Prefill *a, const int64_t *rq, int64_t g, int64_t r0,
-                               int64_t rows, const Scratch *b, const int64_t dim,
-                               const int is_bf16, const int pairs) {
+/* One task (head_dim a multiple of 16): pack the keys it sees that the buffers do not hold
+ * yet, then its query vectors a block at a time. */
+ALWAYS_INLINE void vector_task(const Prefill *a, int64_t req, int64_t g, int64_t r0,
+                               int64_t rows, Scratch *b, const int64_t dim, const int is_bf16,
+                               const int pairs) {
+    const int64_t *rq = a->reqs + req * 4;
     const int64_t count = rows * (a->num_heads / a->num_kv_heads), n = rq[2] - rq[1] + r0 + rows;
-    pack_kv(a, a->block_table + rq[3] * a->table_stride, g, n, b, dim, is_bf16, pairs);
+    const int64_t held = b->req == req && b->g == g ? b->packed : 0;
+    if (n > held) { /* from the tile of the first key not held: its tile was zero-padded */
+        pack_kv(a, a->block_table + rq[3] * a->table_stride, g, held / TILE * TILE, n, b, dim,
+                is_bf16, pairs);
+        b->req = req, b->g = g, b->packed = n;
+    }
     for (int64_t v0 = 0; v0 < count; v0 += MB) {
         const Block blk = block_at(a, rq, g, r0, v0, count);
         attend_block(a, &blk, b, dim, is_bf16, pairs);
@@ -458,20 +467,20 @@ ALWAYS_INLINE void vector_task(const Prefill *a, const int64_t *rq, int64_t g, i
 
 /* A copy per common head size and dtype, the loop bounds known to the compiler. */
 static void run_prefill_task(const Prefill *a, int64_t req, int64_t g, int64_t r0, int64_t rows,
-                             const Scratch *b, int is_bf16) {
+                             Scratch *b, int is_bf16) {
     const int64_t *rq = a->reqs + req * 4, dim = a->head_dim;
 #if defined(__AVX512F__)
     if (dim % 16 == 0) {
         if (HAVE_DPBF16 && is_bf16) {
-            if (dim == 64) vector_task(a, rq, g, r0, rows, b, 64, 1, 1);
-            else if (dim == 128) vector_task(a, rq, g, r0, rows, b, 128, 1, 1);
-            else vector_task(a, rq, g, r0, rows, b, dim, 1, 1);
+            if (dim == 64) vector_task(a, req, g, r0, rows, b, 64, 1, 1);
+            else if (dim == 128) vector_task(a, req, g, r0, rows, b, 128, 1, 1);
+            else vector_task(a, req, g, r0, rows, b, dim, 1, 1);
         } else if (!is_bf16) {
-            if (dim == 64) vector_task(a, rq, g, r0, rows, b, 64, 0, 0);
-            else if (dim == 128) vector_task(a, rq, g, r0, rows, b, 128, 0, 0);
-            else vector_task(a, rq, g, r0, rows, b, dim, 0, 0);
+            if (dim == 64) vector_task(a, req, g, r0, rows, b, 64, 0, 0);
+            else if (dim == 128) vector_task(a, req, g, r0, rows, b, 128, 0, 0);
+            else vector_task(a, req, g, r0, rows, b, dim, 0, 0);
         } else {
-            vector_task(a, rq, g, r0, rows, b, dim, 1, 0); /* bf16 widened: no dot products */
+            vector_task(a, req, g, r0, rows, b, dim, 1, 0); /* bf16 widened: no dot products */
         }
         return;
     }
@@ -495,31 +504,39 @@ static void *scratch_for(const Prefill *a, int64_t max_len, Scratch *b) {
     b->probs = (uint16_t *)(b->scores + parts[2]);
     b->qf = b->scores + parts[2] + parts[3];
     b->padded = padded;
+    b->req = -1;
     return buf;
 }
 
 /* Returns 0 on success, 1 if tasks were left undone (a thread could not allocate its buffer). */
+/* Tasks of request `req`: each KV head's CHUNK-row chunks. */
+static int64_t chunks_of(const Prefill *a, int64_t req) {
+    return (a->reqs[req * 4 + 1] + CHUNK - 1) / CHUNK;
+}
+
+/* Returns 0 on success, 1 if tasks were left undone (a thread could not allocate its buffer).
+ * Tasks are handed out by request, KV head, then chunk, the last chunk first: the largest
+ * tasks go first (the threads end together), and a thread's next task of the same request and
+ * KV head finds the keys it sees already packed. */
 int paged_prefill_attention(const Prefill *a, int is_bf16, int num_threads) {
     int64_t max_len = 0, tasks = 0;
     for (int64_t i = 0; i < a->num_reqs; i++) {
         max_len = a->reqs[i * 4 + 2] > max_len ? a->reqs[i * 4 + 2] : max_len;
-        tasks += (a->reqs[i * 4 + 1] + CHUNK - 1) / CHUNK;
+        tasks += a->num_kv_heads * chunks_of(a, i);
     }
     int undone = 0;
 #pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1) reduction(+ : undone)
     {
         Scratch b;
         void *buf = scratch_for(a, max_len, &b);
-#pragma omp for schedule(dynamic, 1) collapse(2)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            for (int64_t g = 0; g < a->num_kv_heads; g++) {
-                if (buf == NULL) { undone++; continue; }
-                int64_t req = 0, chunk = task;
-                while (chunk >= (a->reqs[req * 4 + 1] + CHUNK - 1) / CHUNK)
-                    chunk -= (a->reqs[req * 4 + 1] + CHUNK - 1) / CHUNK, req++;
-                const int64_t r0 = chunk * CHUNK, left = a->reqs[req * 4 + 1] - r0;
-                run_prefill_task(a, req, g, r0, left < CHUNK ? left : CHUNK, &b, is_bf16);
-            }
+            if (buf == NULL) { undone++; continue; }
+            int64_t req = 0, k = task;
+            while (k >= a->num_kv_heads * chunks_of(a, req)) k -= a->num_kv_heads * chunks_of(a, req), req++;
+            const int64_t chunks = chunks_of(a, req), g = k / chunks;
+            const int64_t r0 = (chunks - 1 - k % chunks) * CHUNK, left = a->reqs[req * 4 + 1] - r0;
+            run_prefill_task(a, req, g, r0, left < CHUNK ? left : CHUNK, &b, is_bf16);
         }
         free(buf);
     }
