@@ -60,7 +60,8 @@ typedef struct {
  *   probs bf16 [MB][padded]
  * else (fp32 products): keys fp32 [tile][D][16], vals fp32 [t][D], the probabilities in
  * `scores` in place; the plain path keeps keys as vals, [t][D].
- * scores fp32 [MB][padded]; qf fp32 [MB][D]: the block's query vectors widened.
+ * scores fp32 [MB][padded]; qf fp32 [MB][D]: the block's query vectors widened (bf16
+ * without pairs; the plain path's query and sums).
  * keys and vals hold keys 0 .. packed - 1 of request `req`, KV head g (req -1: none): a task
  * of the same pair packs only the keys past them. */
 typedef struct {
@@ -250,7 +251,8 @@ ALWAYS_INLINE void pack_kv(const Prefill *a, const int32_t *table, int64_t g, in
 /* scores[m][16 t0 : 16 (t0 + U)] = q_m . keys of tiles t0 .. t0 + U - 1, every vector m of
  * the block: each key vector loaded once for MB vectors. */
 ALWAYS_INLINE void score_tiles(const Prefill *a, const Block *blk, const Scratch *b, int64_t t0,
-                               const int64_t dim, const int pairs, const int U) {
+                               const int64_t dim, const int is_bf16, const int pairs,
+                               const int U) {
     __m512 acc[MB][UT];
 #pragma GCC unroll 6
     for (int m = 0; m < MB; m++)
@@ -279,14 +281,17 @@ ALWAYS_INLINE void score_tiles(const Prefill *a, const Block *blk, const Scratch
     } else
 #endif
     {
-        const float *k = (const float *)b->keys + t0 * TILE * dim;
+        const float *k = (const float *)b->keys + t0 * TILE * dim, *q[MB];
+#pragma GCC unroll 6
+        for (int m = 0; m < MB; m++)
+            q[m] = is_bf16 ? b->qf + m * dim : (const float *)a->query + blk->q_at[m];
         for (int64_t d = 0; d < dim; d++) {
             __m512 kv[UT];
 #pragma GCC unroll 4
             for (int u = 0; u < U; u++) kv[u] = _mm512_loadu_ps(k + (u * dim + d) * TILE);
 #pragma GCC unroll 6
             for (int m = 0; m < MB; m++) {
-                const __m512 qv = _mm512_set1_ps(b->qf[m * dim + d]);
+                const __m512 qv = _mm512_set1_ps(q[m][d]);
 #pragma GCC unroll 4
                 for (int u = 0; u < U; u++) acc[m][u] = _mm512_fmadd_ps(qv, kv[u], acc[m][u]);
             }
@@ -301,11 +306,11 @@ ALWAYS_INLINE void score_tiles(const Prefill *a, const Block *blk, const Scratch
 
 /* The block's scores over the tiles its last row sees, UT tiles at a time, then one. */
 ALWAYS_INLINE void block_scores(const Prefill *a, const Block *blk, const Scratch *b,
-                                const int64_t dim, const int pairs) {
+                                const int64_t dim, const int is_bf16, const int pairs) {
     const int64_t tiles = (blk->seen_max + TILE - 1) / TILE;
     int64_t t = 0;
-    for (; t + UT <= tiles; t += UT) score_tiles(a, blk, b, t, dim, pairs, UT);
-    for (; t < tiles; t++) score_tiles(a, blk, b, t, dim, pairs, 1);
+    for (; t + UT <= tiles; t += UT) score_tiles(a, blk, b, t, dim, is_bf16, pairs, UT);
+    for (; t < tiles; t++) score_tiles(a, blk, b, t, dim, is_bf16, pairs, 1);
 }
 
 /* 2^t for t <= 0, 16 lanes: 2^n 2^f with n = round(t), |f| <= 1/2 (f = t - n exact), 2^n by
@@ -430,12 +435,23 @@ ALWAYS_INLINE void value_columns(const Prefill *a, const Block *blk, const Scrat
     }
 }
 
+/* The query vectors of a block asked for (`bytes` each), a block ahead of their use: the
+ * rows of a task are far apart in the query, each block's a cold read. */
+ALWAYS_INLINE void prefetch_queries(const Prefill *a, const Block *blk, int64_t bytes) {
+    const int64_t elem = bytes / a->head_dim;
+    for (int m = 0; m < MB; m++) {
+        const char *q = (const char *)a->query + blk->q_at[m] * elem;
+        for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(q + at, _MM_HINT_T0);
+        _mm_prefetch(q + bytes - 1, _MM_HINT_T0); /* the last line, if q is not aligned */
+    }
+}
+
 /* One block: scores, softmax, weighted values (64 columns at a time, then 16). */
 ALWAYS_INLINE void attend_block(const Prefill *a, const Block *blk, const Scratch *b,
                                 const int64_t dim, const int is_bf16, const int pairs) {
-    if (!pairs)
-        for (int m = 0; m < MB; m++) load_row(a->query, blk->q_at[m], b->qf + m * dim, dim, is_bf16);
-    block_scores(a, blk, b, dim, pairs);
+    if (is_bf16 && !pairs)
+        for (int m = 0; m < MB; m++) load_row(a->query, blk->q_at[m], b->qf + m * dim, dim, 1);
+    block_scores(a, blk, b, dim, is_bf16, pairs);
     const int64_t end = pairs ? (blk->seen_max + 1) / 2 * 2 : blk->seen_max;
     float inv[MB];
     block_softmax(blk, b, end, a->scale, inv, pairs);
@@ -458,9 +474,12 @@ ALWAYS_INLINE void vector_task(const Prefill *a, int64_t req, int64_t g, int64_t
                 is_bf16, pairs);
         b->req = req, b->g = g, b->packed = n;
     }
+    Block blk = block_at(a, rq, g, r0, 0, count);
     for (int64_t v0 = 0; v0 < count; v0 += MB) {
-        const Block blk = block_at(a, rq, g, r0, v0, count);
+        const Block next = block_at(a, rq, g, r0, v0 + MB < count ? v0 + MB : v0, count);
+        prefetch_queries(a, &next, dim * (is_bf16 ? 2 : 4));
         attend_block(a, &blk, b, dim, is_bf16, pairs);
+        blk = next;
     }
 }
 #endif
