@@ -11,11 +11,13 @@
  * position. Query head h reads KV head h / group.
  *
  * A task is (request, KV head, CHUNK query rows). It copies the keys and values it sees into
- * buffers laid out for its products, then takes its query vectors, the (row, head) pairs of
+ * buffers laid out for its products (those its thread's buffers do not hold yet from a task
+ * of the same request and KV head), then takes its query vectors, the (row, head) pairs of
  * its rows and the group's heads in that order, MB at a time: a block. The MB vectors of a
  * block share every load of a key tile and of a value vector, their sums in registers. Per
  * block: the scores over the keys its last row sees (the vectors of an earlier row give the
- * extra keys no weight), the softmax of each vector, the weighted values.
+ * extra keys no weight), the softmax of each vector (16 lanes at a time, an inline
+ * exponential), the weighted values.
  *
  * Numerics. Scores are fp32: bf16 queries and keys on AVX512-BF16 with its dot-product
  * instruction (exact products, fp32 sums), else fused multiply-adds on values widened to
@@ -95,7 +97,8 @@ ALWAYS_INLINE void plain_task(const Prefill *a, const int64_t *rq, int64_t g, in
     const int64_t group = a->num_heads / a->num_kv_heads;
     const float *kf = (const float *)b->keys, *vf = (const float *)b->vals;
     float *s = b->scores, *q = b->qf, *acc = b->qf + dim;
-    pack_rows(a, a->block_table + rq[3] * a->table_stride, g, start + r0 + rows, b, dim, is_bf16);
+    pack_rows(a, a->block_table + rq[3] * a->table_stride, g, start + r0 + rows, b, dim,
+              is_bf16);
     for (int64_t i = r0; i < r0 + rows; i++) {
         const int64_t seen = start + i + 1;
         for (int64_t h = g * group; h < (g + 1) * group; h++) {
@@ -184,9 +187,9 @@ ALWAYS_INLINE void transpose16(__m512i *r) {
     }
 }
 
-/* Key tile `tile` (keys 16 tile .. 16 tile + 15; those from n on zeros, their scores unread)
- * into its layout: a key row is a row of 32-bit words (pairs of bf16, or fp32, bf16 widened
- * without pairs), transposed 16 words at a time. */
+/* Key tile `tile` (keys 16 tile .. 16 tile + 15; those from n on zeros, kept finite: their
+ * scores are computed, never read) into its layout: a key row is a row of 32-bit words (pairs
+ * of bf16, or fp32, bf16 widened without pairs), transposed 16 words at a time. */
 ALWAYS_INLINE void pack_key_tile(const Prefill *a, const int32_t *table, int64_t g, int64_t n,
                                  int64_t tile, const Scratch *b, const int64_t dim,
                                  const int is_bf16, const int pairs) {
@@ -225,7 +228,8 @@ ALWAYS_INLINE void pack_value_pair(const Prefill *a, int64_t at0, int64_t at1, u
     for (int64_t c = 0; c < dim; c += 16) {
         const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + c)));
         const __m512i hi = at1 < 0 ? _mm512_setzero_si512()
-                                   : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + c)));
+                                   : _mm512_cvtepu16_epi32(
+                                         _mm256_loadu_si256((const __m256i *)(v1 + c)));
         _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
 }
@@ -279,6 +283,8 @@ ALWAYS_INLINE void score_tiles(const Prefill *a, const Block *blk, const Scratch
             }
         }
     } else
+#else
+    (void)pairs;
 #endif
     {
         const float *k = (const float *)b->keys + t0 * TILE * dim, *q[MB];
@@ -338,11 +344,12 @@ ALWAYS_INLINE __mmask16 seen_lanes(int64_t seen, int64_t i) {
     return (__mmask16)_bzhi_u32(0xffffu, n < 0 ? 0 : n > TILE ? TILE : (uint32_t)n);
 }
 
-/* The block's score rows -> e = exp(scale (s - max)), computed as 2^(s c - max c), c = scale log2 e,
- * for the keys each vector sees, 0 for the others up to `end` (rounded up to a tile); with
- * `pairs` e is rounded to bf16 into probs, else kept in scores. inv[m] = 1 / the sum of the
- * e that the weighted values multiply by. The MB rows go through each pass together: their
- * chains of exponentials and sums overlap. */
+/* The block's score rows -> e = exp(scale (s - max)), computed as 2^(s c - max c) with
+ * c = scale log2 e (the rounding of max c is common to the row: the normalization cancels
+ * it), for the keys each vector sees, 0 for the others up to `end` (rounded up to a tile);
+ * with `pairs` e is rounded to bf16 into probs, else kept in scores. inv[m] = 1 / the sum of
+ * the e that the weighted values multiply by. The MB rows go through each pass together:
+ * their chains of exponentials and sums overlap. */
 ALWAYS_INLINE void block_softmax(const Block *blk, const Scratch *b, int64_t end, float scale,
                                  float *inv, const int pairs) {
     const int64_t tiles = (blk->seen_max + TILE - 1) / TILE;
@@ -355,8 +362,9 @@ ALWAYS_INLINE void block_softmax(const Block *blk, const Scratch *b, int64_t end
             max[m] = _mm512_mask_max_ps(max[m], seen_lanes(blk->seen[m], i), max[m],
                                         _mm512_loadu_ps(b->scores + m * b->padded + i * TILE));
     const __m512 c = _mm512_set1_ps(scale * 1.442695041f); /* log2 e */
-#pragma GCC unroll 6 /* max[m]: now max * c, every lane */
-    for (int m = 0; m < MB; m++) max[m] = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(max[m])), c);
+#pragma GCC unroll 6
+    for (int m = 0; m < MB; m++) /* max[m]: now max c, every lane */
+        max[m] = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(max[m])), c);
     float *scores = b->scores;
     uint16_t *probs = b->probs;
     for (int64_t i = 0; i * TILE < end; i++) {
@@ -369,10 +377,12 @@ ALWAYS_INLINE void block_softmax(const Block *blk, const Scratch *b, int64_t end
             if (pairs) { /* rounded to nearest even (e >= 0, no NaN) */
                 const __m256i r = (__m256i)_mm512_cvtneps_pbh(e);
                 _mm256_storeu_si256((__m256i *)(probs + m * b->padded + i * TILE), r);
-                sum[m] = _mm512_add_ps(sum[m], _mm512_castsi512_ps(
-                                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+                const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16);
+                sum[m] = _mm512_add_ps(sum[m], _mm512_castsi512_ps(widened));
                 continue;
             }
+#else
+            (void)probs;
 #endif
             _mm512_storeu_ps(s, e);
             sum[m] = _mm512_add_ps(sum[m], e);
@@ -410,6 +420,8 @@ ALWAYS_INLINE void value_columns(const Prefill *a, const Block *blk, const Scrat
             }
         }
     } else
+#else
+    (void)pairs;
 #endif
     {
         const float *v = (const float *)b->vals + c0;
@@ -467,7 +479,8 @@ ALWAYS_INLINE void vector_task(const Prefill *a, int64_t req, int64_t g, int64_t
                                int64_t rows, Scratch *b, const int64_t dim, const int is_bf16,
                                const int pairs) {
     const int64_t *rq = a->reqs + req * 4;
-    const int64_t count = rows * (a->num_heads / a->num_kv_heads), n = rq[2] - rq[1] + r0 + rows;
+    const int64_t count = rows * (a->num_heads / a->num_kv_heads); /* query vectors */
+    const int64_t n = rq[2] - rq[1] + r0 + rows; /* keys the task sees */
     const int64_t held = b->req == req && b->g == g ? b->packed : 0;
     if (n > held) { /* from the tile of the first key not held: its tile was zero-padded */
         pack_kv(a, a->block_table + rq[3] * a->table_stride, g, held / TILE * TILE, n, b, dim,
@@ -515,7 +528,8 @@ static void *scratch_for(const Prefill *a, int64_t max_len, Scratch *b) {
     const int64_t kv = (padded * dim + 15) / 16 * 16; /* floats: fp32 at most */
     const int64_t parts[5] = {kv, kv, MB * padded, (MB * padded / 2 + 15) / 16 * 16,
                               (MB * dim + 15) / 16 * 16};
-    float *buf = aligned_alloc(64, (size_t)(2 * kv + parts[2] + parts[3] + parts[4]) * sizeof(float));
+    const int64_t floats = parts[0] + parts[1] + parts[2] + parts[3] + parts[4];
+    float *buf = aligned_alloc(64, (size_t)floats * sizeof(float));
     if (buf == NULL) return NULL;
     b->keys = buf;
     b->vals = buf + parts[0];
@@ -527,16 +541,15 @@ static void *scratch_for(const Prefill *a, int64_t max_len, Scratch *b) {
     return buf;
 }
 
-/* Returns 0 on success, 1 if tasks were left undone (a thread could not allocate its buffer). */
 /* Tasks of request `req`: each KV head's CHUNK-row chunks. */
 static int64_t chunks_of(const Prefill *a, int64_t req) {
     return (a->reqs[req * 4 + 1] + CHUNK - 1) / CHUNK;
 }
 
 /* Returns 0 on success, 1 if tasks were left undone (a thread could not allocate its buffer).
- * Tasks are handed out by request, KV head, then chunk, the last chunk first: the largest
- * tasks go first (the threads end together), and a thread's next task of the same request and
- * KV head finds the keys it sees already packed. */
+ * Tasks are handed out by request, KV head, then chunk, the last chunk first: a thread's next
+ * task of the same request and KV head finds the keys it sees already packed, and of a
+ * request's tasks the largest go first. */
 int paged_prefill_attention(const Prefill *a, int is_bf16, int num_threads) {
     int64_t max_len = 0, tasks = 0;
     for (int64_t i = 0; i < a->num_reqs; i++) {
@@ -552,9 +565,11 @@ int paged_prefill_attention(const Prefill *a, int is_bf16, int num_threads) {
         for (int64_t task = 0; task < tasks; task++) {
             if (buf == NULL) { undone++; continue; }
             int64_t req = 0, k = task;
-            while (k >= a->num_kv_heads * chunks_of(a, req)) k -= a->num_kv_heads * chunks_of(a, req), req++;
+            while (k >= a->num_kv_heads * chunks_of(a, req))
+                k -= a->num_kv_heads * chunks_of(a, req), req++;
             const int64_t chunks = chunks_of(a, req), g = k / chunks;
-            const int64_t r0 = (chunks - 1 - k % chunks) * CHUNK, left = a->reqs[req * 4 + 1] - r0;
+            const int64_t r0 = (chunks - 1 - k % chunks) * CHUNK;
+            const int64_t left = a->reqs[req * 4 + 1] - r0;
             run_prefill_task(a, req, g, r0, left < CHUNK ? left : CHUNK, &b, is_bf16);
         }
         free(buf);
