@@ -95,3 +95,52 @@ def test_without_the_kernel_prompts_run_sdpa() -> None:
     query, kv_cache, metadata = _step(STEPS[1], 4, 2, 32, torch.float32)
     ours = _run(CpuBackend(DECODE, None), query, kv_cache, metadata)  # type: ignore[arg-type]
     torch.testing.assert_close(ours, _run(TorchRefBackend(), query, kv_cache, metadata))
+
+
+BLOCKS = [  # the kernel's blocks of 6 query vectors: short tails, prompts of several row chunks
+    [(200, 300), (3, 3), (64, 130)],
+    [(97, 97), (1, 20), (40, 40)],
+]
+
+
+@pytest.mark.parametrize("requests", BLOCKS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
+    (9, 3, 64), (8, 2, 64), (8, 2, 80), (16, 2, 128), (6, 6, 64), (16, 2, 96), (6, 3, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_blocks_match_the_torch_reference(
+    requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """GQA groups of 1 to 8 against the 6 query vectors of a block (a block straddles rows),
+    head sizes of the vector path (80: a half tile of key words; 96: 64 output columns, then
+    16) and of the plain one (40).
+
+    bf16: the kernel rounds the probabilities to bf16 for their products with the values, as
+    GPU kernels do: each weight moves by at most 2^-9 relative (the normalizer sums the
+    rounded weights), the size of the output's own rounding, which alone puts the reference
+    up to ~1e-2 off here. So the elementwise tolerance stays the bf16 one, and the mean error
+    must stay near the output rounding's (measured: 1.1-1.2 times it)."""
+    query, kv_cache, metadata = _step(requests, num_heads, num_kv_heads, head_dim, dtype)
+    ours = _run(CpuBackend(DECODE, PREFILL), query, kv_cache, metadata)  # type: ignore[arg-type]
+    ref = _run(TorchRefBackend(), query.float(), kv_cache.float(), metadata)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(ours.float(), ref, atol=2e-2, rtol=2e-2)
+    rounding = (ref.to(dtype).float() - ref).abs().mean()
+    assert (ours.float() - ref).abs().mean() < 1.5 * rounding
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_give_the_same_bits(
+    threads: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each output row is one task's, whichever thread runs it and whatever keys its buffers
+    already held (a thread reuses the keys it packed for a request and KV head)."""
+    query, kv_cache, metadata = _step(BLOCKS[0] + BLOCKS[1], 9, 3, 64, dtype)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = _run(CpuBackend(DECODE, PREFILL), query, kv_cache, metadata)  # type: ignore[arg-type]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    many = _run(CpuBackend(DECODE, PREFILL), query, kv_cache, metadata)  # type: ignore[arg-type]
+    assert torch.equal(one, many)

@@ -3,8 +3,8 @@ step in one call, causal, over the paged cache read through the block table.
 
 Why: torch's SDPA serves one request per call, on keys first gathered out of the cache, and on
 this CPU its fused kernel runs short prompts (a few hundred rows, head_dim 64) well below the
-core's multiply rate; the kernel multiplies bf16 keys with the CPU's bf16 dot-product
-instruction (docs/cpu.md#c-prefill-kernel). Built as the
+core's multiply rate; the kernel multiplies bf16 queries, keys, probabilities and values
+with the CPU's bf16 dot-product instruction (docs/cpu.md#c-prefill-kernel). Built as the
 decode kernel is (``cpu_native``); None where it cannot be built (the caller keeps SDPA).
 """
 

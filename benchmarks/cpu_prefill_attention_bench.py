@@ -1,0 +1,103 @@
+"""The CPU prefill attention kernel on its own: a prefill step's attention over every layer.
+
+    python benchmarks/cpu_prefill_attention_bench.py [--prompts 8] [--prompt-len 256]
+        [--prefix 0] [--layers 30] [--dtype bfloat16] [--threads 1] [--reps 15]
+        [--source A.c --source B.c]
+
+Builds one paged KV cache per layer in the default model's attention shape (9 query heads,
+3 KV heads of 64, 16-token blocks), each prompt's blocks scattered through its cache, random
+keys, values and queries; then calls the kernel (``cpu_native/prefill.py``, as the CPU
+attention backend runs it) once per layer, ``--reps`` times. ``--prefix`` cached tokens
+before each prompt make it a chunk after a cached prefix. Prints the min and median of the
+step's time and the causal QK^T + PV FLOP rate at each.
+
+``--source`` (repeatable): build these versions of ``paged_prefill.c`` (kept beside the engine's,
+so that its headers resolve) and alternate them rep by rep: the machine's speed drifts, so
+versions are compared within one window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.attention.backends.cpu_native import built_library
+from pagedserve.attention.backends.cpu_native.prefill import (
+    SOURCE,
+    PagedPrefillKernel,
+)
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def paged_caches(layers: int, prompts: int, seq_len: int, dtype: torch.dtype) -> list[tuple]:
+    """Per layer: (kv_cache [2, blocks, BLOCK, KV_HEADS, HEAD_DIM], block_table int32 [P, n])
+    with each prompt's blocks a random choice among the cache's."""
+    per_req = (seq_len + BLOCK - 1) // BLOCK
+    out = []
+    for _ in range(layers):
+        blocks = prompts * per_req + 1  # block 0 is the null block
+        cache = torch.randn(2, blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+        order = torch.randperm(blocks - 1)[: prompts * per_req] + 1
+        out.append((cache, order.view(prompts, per_req).to(torch.int32).contiguous()))
+    return out
+
+
+def causal_flops(prompts: int, prompt_len: int, prefix: int) -> int:
+    """QK^T and PV multiply-adds (2 FLOPs each) of every query head over the keys it sees."""
+    pairs = sum(prefix + i + 1 for i in range(prompt_len))  # (row, key) pairs per head
+    return prompts * HEADS * pairs * HEAD_DIM * 2 * 2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prefix", type=int, default=0, help="cached tokens before each prompt")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--source", action="append", type=Path, default=None,
+                   help="a version of paged_prefill.c to time (repeatable; default: the engine's)")
+    args = p.parse_args()
+    sources = args.source or [SOURCE]
+    kernels = [PagedPrefillKernel(built_library(s.resolve())) for s in sources]
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    seq_len, rows = args.prefix + args.prompt_len, args.prompts * args.prompt_len
+    layers = paged_caches(args.layers, args.prompts, seq_len, dtype)
+    query = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)  # [rows, HEADS, HEAD_DIM]
+    output = torch.empty_like(query)
+    reqs = torch.tensor([[i * args.prompt_len, args.prompt_len, seq_len, i]
+                         for i in range(args.prompts)], dtype=torch.int64)  # [P, 4]
+
+    def step(kernel: PagedPrefillKernel) -> None:
+        for cache, table in layers:
+            kernel(query, cache, table, reqs, HEAD_DIM**-0.5, output)
+
+    times: list[list[float]] = [[] for _ in kernels]
+    for kernel in kernels:
+        step(kernel)
+    for _ in range(args.reps):
+        for kernel, spent in zip(kernels, times, strict=True):
+            start = time.perf_counter()
+            step(kernel)
+            spent.append(time.perf_counter() - start)
+    flops = causal_flops(args.prompts, args.prompt_len, args.prefix) * args.layers
+    print(f"{args.prompts} prompt(s) of {args.prompt_len} after {args.prefix} cached, "
+          f"{args.layers} layers, {args.dtype}, {args.threads} thread(s), "
+          f"{flops / 1e9:.2f} GFLOP a step:")
+    for source, spent in zip(sources, times, strict=True):
+        low, mid = min(spent), statistics.median(spent)
+        print(f"  {source}: min {low * 1e3:.2f} ms, median {mid * 1e3:.2f} ms a step; "
+              f"{flops / low / 1e9:.1f} / {flops / mid / 1e9:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
