@@ -24,27 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+from cpu_attention_bench import HEAD_DIM, HEADS, paged_caches
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.backends.cpu_native.prefill import (
     SOURCE,
     PagedPrefillKernel,
 )
-
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
-
-def paged_caches(layers: int, prompts: int, seq_len: int, dtype: torch.dtype) -> list[tuple]:
-    """Per layer: (kv_cache [2, blocks, BLOCK, KV_HEADS, HEAD_DIM], block_table int32 [P, n])
-    with each prompt's blocks a random choice among the cache's."""
-    per_req = (seq_len + BLOCK - 1) // BLOCK
-    out = []
-    for _ in range(layers):
-        blocks = prompts * per_req + 1  # block 0 is the null block
-        cache = torch.randn(2, blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-        order = torch.randperm(blocks - 1)[: prompts * per_req] + 1
-        out.append((cache, order.view(prompts, per_req).to(torch.int32).contiguous()))
-    return out
 
 
 def causal_flops(prompts: int, prompt_len: int, prefix: int) -> int:
@@ -71,7 +57,7 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     seq_len, rows = args.prefix + args.prompt_len, args.prompts * args.prompt_len
-    layers = paged_caches(args.layers, args.prompts, seq_len, dtype)
+    layers = paged_caches(args.layers, torch.full((args.prompts,), seq_len), dtype)
     query = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)  # [rows, HEADS, HEAD_DIM]
     output = torch.empty_like(query)
     reqs = torch.tensor([[i * args.prompt_len, args.prompt_len, seq_len, i]
