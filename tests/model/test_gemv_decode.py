@@ -46,12 +46,18 @@ class OneTokenOnGemv(nn.Module):
         return self.inner.compute_logits(hidden_states)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama3_rope", "qwen2", "llama_all_biases",
-                                  "llama_fp8", "qwen2_fp8"])
-@pytest.mark.parametrize("prompt", [[5, 17, 3, 120, 9, 44, 8], [31]])
+PROMPT, ONE_TOKEN_PROMPT = [5, 17, 3, 120, 9, 44, 8], [31]
+
+
+@pytest.mark.parametrize(("case", "prompt"), [
+    *((case, PROMPT) for case in ("llama", "llama3_rope", "qwen2", "llama_all_biases",
+                                  "llama_fp8", "qwen2_fp8")),
+    ("llama", ONE_TOKEN_PROMPT), ("qwen2_fp8", ONE_TOKEN_PROMPT),
+])
 def test_same_tokens_and_logits_as_the_model(case: str, prompt: list[int], tmp_path) -> None:
-    """A 7-token prompt (prefill on the model, decode on the kernels) and a 1-token prompt
-    (its prefill is a one-token step too)."""
+    """A 7-token prompt (prefill on the model, decode on the kernels), each architecture and
+    weight kind; and a 1-token prompt, whose prefill is a one-token step too (the same path
+    for every architecture: two cases)."""
     torch.set_num_threads(1)
     if case == "llama_all_biases":  # q/k/v, o_proj, gate/up and down_proj all with a bias
         ours = our_tiny_model("llama", tmp_path, attention_bias=True, mlp_bias=True)
