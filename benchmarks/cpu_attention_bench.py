@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_attention_bench.py [--requests 64] [--context 256,320]
         [--layers 30] [--dtype bfloat16] [--threads 1] [--reps 15]
+        [--source A/paged_decode.c --source B/paged_decode.c]
 
 Builds one paged KV cache per layer in the default model's attention shape (9 query heads,
 3 KV heads of 64, 16-token blocks), each request's blocks scattered through its cache, contexts
@@ -10,6 +11,10 @@ uniform in the given range, random keys, values and queries; then calls the kern
 once per layer, ``--reps`` times. Prints the min and median of the step's time and the KV bytes
 read per second at the min. One cache per layer, as in the engine, so the keys and values come
 from memory, not from a cache the previous layer warmed.
+
+``--source`` (repeatable): build these copies of ``paged_decode.c``, each with the versions of
+``paged_attention.h`` (and any other header) beside it, and alternate them rep by rep: the
+machine's speed drifts, so versions are compared within one window.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from pagedserve.attention.backends.cpu_native import load_paged_decode_kernel
+from pagedserve.attention.backends.cpu_native import SOURCE, PagedDecodeKernel, built_library
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -47,10 +53,11 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--source", action="append", type=Path, default=None,
+                   help="a copy of paged_decode.c to time (repeatable; default: the engine's)")
     args = p.parse_args()
-    kernel = load_paged_decode_kernel()
-    if kernel is None:
-        raise SystemExit("cpu_attention_bench: the kernel did not build (no C compiler?)")
+    sources = args.source or [SOURCE]
+    kernels = [PagedDecodeKernel(built_library(s.resolve())) for s in sources]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -61,21 +68,25 @@ def main() -> None:
     output = torch.empty_like(query)
     rows = torch.arange(args.requests, dtype=torch.int64)  # [R]
 
-    def step() -> None:
+    def step(kernel: PagedDecodeKernel) -> None:
         for cache, table in layers:
             kernel(query, cache, rows, table, seq_lens, HEAD_DIM**-0.5, output)
 
-    step()
-    times = []
+    times: list[list[float]] = [[] for _ in kernels]
+    for kernel in kernels:
+        step(kernel)
     for _ in range(args.reps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        for kernel, spent in zip(kernels, times, strict=True):
+            start = time.perf_counter()
+            step(kernel)
+            spent.append(time.perf_counter() - start)
     kv_bytes = int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize * args.layers
     print(f"{args.requests} request(s) at context {low}..{high}, {args.layers} layers, "
-          f"{args.dtype}, {args.threads} thread(s): min {min(times) * 1e3:.2f} ms, median "
-          f"{statistics.median(times) * 1e3:.2f} ms a step; {kv_bytes / min(times) / 1e9:.1f} "
-          f"GB/s of keys and values at the min")
+          f"{args.dtype}, {args.threads} thread(s):")
+    for source, spent in zip(sources, times, strict=True):
+        low_t, mid = min(spent), statistics.median(spent)
+        print(f"  {source}: min {low_t * 1e3:.2f} ms, median {mid * 1e3:.2f} ms a step; "
+              f"{kv_bytes / low_t / 1e9:.1f} GB/s of keys and values at the min")
 
 
 if __name__ == "__main__":

@@ -66,14 +66,17 @@ def _compiler_version(cc: str) -> str:
     return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
 
 
-def _headers() -> list[Path]:
-    return sorted(header for folder in INCLUDE_DIRS for header in folder.glob("*.h"))
+def _headers(source: Path) -> list[Path]:
+    """Every header a build of ``source`` may include: those beside it first (the compiler
+    looks there first, so a copy of a source can be built with other versions of them)."""
+    folders = (source.parent, *(f for f in INCLUDE_DIRS if f.resolve() != source.parent.resolve()))
+    return [header for folder in folders for header in sorted(folder.glob("*.h"))]
 
 
 def library_path(cc: str, cache_dir: Path, source: Path = SOURCE) -> Path:
     """The library's file in ``cache_dir``, named by a hash of all it is built from."""
     key = hashlib.sha256()
-    headers = [h.name.encode() + h.read_bytes() for h in _headers()]
+    headers = [h.name.encode() + h.read_bytes() for h in _headers(source)]
     parts: tuple[bytes | str, ...] = (
         source.read_bytes(), *headers, " ".join(COMPILE_FLAGS + LINK_FLAGS), cc,
         _compiler_version(cc), _cpu_flags(), platform.machine())
