@@ -60,13 +60,27 @@ int add_rms_norm_rows(const void *x, const void *residual, const void *w, float 
     return failed;
 }
 
+/* Row r of out from row r of x in one pass, 16 columns at a time where the build has AVX512;
+ * the columns past a multiple of 16 through buf (fp32 [3, d] at least). */
 ALWAYS_INLINE void silu_row(const void *x, int64_t x_stride, void *out, int64_t r, int64_t d,
                             float *buf, int is_bf16) {
-    float *gate = buf, *up = buf + d, *act = buf + 2 * d;
-    widen(x, r * x_stride, gate, d, is_bf16);
-    widen(x, r * x_stride + d, up, d, is_bf16);
-    silu_mul(gate, up, act, d, is_bf16);
-    narrow(out, r * d, act, d, is_bf16);
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= d; c += 16) {
+        const __m512 act = silu_mul16(load16(x, r * x_stride + c, is_bf16),
+                                      load16(x, r * x_stride + d + c, is_bf16), is_bf16);
+        if (is_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + r * d + c),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(act), 16)));
+        else _mm512_storeu_ps((float *)out + r * d + c, act);
+    }
+#endif
+    const int64_t left = d - c;
+    float *gate = buf, *up = buf + left, *act = buf + 2 * left;
+    widen(x, r * x_stride + c, gate, left, is_bf16);
+    widen(x, r * x_stride + d + c, up, left, is_bf16);
+    silu_mul_tail(gate, up, act, left, is_bf16);
+    narrow(out, r * d + c, act, left, is_bf16);
 }
 
 /* out [m, d] = silu(x[:, :d]) * x[:, d:]; x [m, 2 d] with row stride x_stride. 1: no memory. */

@@ -76,14 +76,63 @@ static inline void rotate(float *x, int64_t heads, int64_t dim, const void *cos_
  * Below a gate of -88 the result is 0 (torch's quotient is x / inf = -0 from about -88.7 on,
  * and under 1e-36 in between): the kernels are built with -ffast-math, whose vector expf
  * does not return infinity, so the exponent is clamped and the quotient not taken there. */
-static inline void silu_mul(const float *gate, const float *up, float *act, int64_t n,
-                            int is_bf16) {
+static inline void silu_mul_tail(const float *gate, const float *up, float *act, int64_t n,
+                                 int is_bf16) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         const float e = expf(fminf(-gate[i], 88.0f));
         const float silu = -gate[i] > 88.0f ? 0.0f : rnd(gate[i] / (1.0f + e), is_bf16);
         act[i] = rnd(silu * up[i], is_bf16);
     }
+}
+
+#if defined(__AVX512F__)
+/* rnd of 16 lanes: to the nearest bf16 (ties to even), kept as fp32 (no NaN reaches it). */
+ALWAYS_INLINE __m512 rnd16(__m512 x, const int is_bf16) {
+    if (!is_bf16) return x;
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* e^x for x <= 88, 16 lanes, within an ulp or two of expf: x = n ln 2 + r with |r| <= ln 2 / 2
+ * (ln 2 in two parts, so r is exact to fp32), e^r by its Taylor series to degree 7 (the
+ * remainder under 6e-9), times 2^n by vscalefps (0 far below). Inline: the library's vector
+ * expf is a call per 16 lanes. */
+ALWAYS_INLINE __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln 2, high bits */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);      /* ln 2, the rest */
+    static const float c[8] = {1.0f, 1.0f, 0.5f, 1.0f / 6, 1.0f / 24, 1.0f / 120, 1.0f / 720,
+                               1.0f / 5040};
+    __m512 p = _mm512_set1_ps(c[7]);
+#pragma GCC unroll 7
+    for (int k = 6; k >= 0; k--) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[k]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* silu_mul of 16 lanes (see silu_mul). */
+ALWAYS_INLINE __m512 silu_mul16(__m512 gate, __m512 up, const int is_bf16) {
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gate);
+    const __m512 e = exp16(_mm512_min_ps(neg, _mm512_set1_ps(88.0f)));
+    __m512 silu = rnd16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), is_bf16);
+    silu = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(neg, _mm512_set1_ps(88.0f), _CMP_NGT_UQ), silu);
+    return rnd16(_mm512_mul_ps(silu, up), is_bf16);
+}
+#endif
+
+/* act[0:n] (fp32) from gate, up fp32 [n]: 16 lanes at a time where the build has AVX512. */
+static inline void silu_mul(const float *gate, const float *up, float *act, int64_t n,
+                            int is_bf16) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(act + i, silu_mul16(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i),
+                                             is_bf16));
+#endif
+    silu_mul_tail(gate + i, up + i, act + i, n - i, is_bf16);
 }
 
 #endif

@@ -58,8 +58,9 @@ def test_rmsnorm_module_uses_the_kernel_and_falls_back() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_on_strided_rows(dtype: torch.dtype) -> None:
-    x = (torch.randn(19, 2 * 80 + 16) * 4).to(dtype)[:, : 2 * 80]  # row stride 176
+@pytest.mark.parametrize("d", [80, 37, 7])  # whole 16-lane vectors, then a tail, tail only
+def test_silu_and_mul_on_strided_rows(dtype: torch.dtype, d: int) -> None:
+    x = (torch.randn(19, 2 * d + 16) * 4).to(dtype)[:, : 2 * d]  # row stride 2 d + 16
     out = cpu_rows.silu_and_mul_rows(x)
     assert out is not None
     _close(out, silu_and_mul_torch(x))
