@@ -22,13 +22,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from pagedserve.attention.backends.cpu_native import SOURCE, PagedDecodeKernel, built_library
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+K = TypeVar("K")
 
 
 def paged_caches(layers: int, seq_lens: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
@@ -43,6 +46,20 @@ def paged_caches(layers: int, seq_lens: torch.Tensor, dtype: torch.dtype) -> lis
         order = torch.randperm(blocks - 1)[: num_reqs * per_req] + 1
         out.append((cache, order.view(num_reqs, per_req).to(torch.int32).contiguous()))
     return out
+
+
+def alternate_timings(kernels: list[K], step: Callable[[K], None], reps: int) -> list[list[float]]:
+    """Seconds of ``step(kernel)`` per kernel, ``reps`` each after one untimed call, the kernels
+    taking turns rep by rep: the machine's speed drifts, so versions share each window."""
+    times: list[list[float]] = [[] for _ in kernels]
+    for kernel in kernels:
+        step(kernel)
+    for _ in range(reps):
+        for kernel, spent in zip(kernels, times, strict=True):
+            start = time.perf_counter()
+            step(kernel)
+            spent.append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -72,14 +89,7 @@ def main() -> None:
         for cache, table in layers:
             kernel(query, cache, rows, table, seq_lens, HEAD_DIM**-0.5, output)
 
-    times: list[list[float]] = [[] for _ in kernels]
-    for kernel in kernels:
-        step(kernel)
-    for _ in range(args.reps):
-        for kernel, spent in zip(kernels, times, strict=True):
-            start = time.perf_counter()
-            step(kernel)
-            spent.append(time.perf_counter() - start)
+    times = alternate_timings(kernels, step, args.reps)
     kv_bytes = int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize * args.layers
     print(f"{args.requests} request(s) at context {low}..{high}, {args.layers} layers, "
           f"{args.dtype}, {args.threads} thread(s):")

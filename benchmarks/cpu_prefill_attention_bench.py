@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from cpu_attention_bench import HEAD_DIM, HEADS, paged_caches
+from cpu_attention_bench import HEAD_DIM, HEADS, alternate_timings, paged_caches
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.backends.cpu_native.prefill import (
@@ -67,14 +66,7 @@ def main() -> None:
         for cache, table in layers:
             kernel(query, cache, table, reqs, HEAD_DIM**-0.5, output)
 
-    times: list[list[float]] = [[] for _ in kernels]
-    for kernel in kernels:
-        step(kernel)
-    for _ in range(args.reps):
-        for kernel, spent in zip(kernels, times, strict=True):
-            start = time.perf_counter()
-            step(kernel)
-            spent.append(time.perf_counter() - start)
+    times = alternate_timings(kernels, step, args.reps)
     flops = causal_flops(args.prompts, args.prompt_len, args.prefix) * args.layers
     print(f"{args.prompts} prompt(s) of {args.prompt_len} after {args.prefix} cached, "
           f"{args.layers} layers, {args.dtype}, {args.threads} thread(s), "
