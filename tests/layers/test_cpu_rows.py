@@ -30,10 +30,12 @@ def _built() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 3])
-def test_add_rms_norm(dtype: torch.dtype, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n", [96, 90])  # whole 16-lane vectors; a width that is not
+def test_add_rms_norm(dtype: torch.dtype, threads: int, n: int,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    x, residual = torch.randn(37, 96).to(dtype), (torch.randn(37, 96) * 10).to(dtype)
-    weight = torch.randn(96).to(dtype)
+    x, residual = torch.randn(37, n).to(dtype), (torch.randn(37, n) * 10).to(dtype)
+    weight = torch.randn(n).to(dtype)
     rows = cpu_rows.add_rms_norm_rows(x, residual, weight, 1e-6)
     assert rows is not None and rows[1] is not None
     normed, summed = add_rms_norm_torch(x, residual, weight, 1e-6)

@@ -66,19 +66,6 @@ ALWAYS_INLINE void plain_task(const Prefill *a, const int64_t *rq, int64_t g, in
 }
 
 #if defined(__AVX512F__)
-/* 16 fp32 stored at out[at:] in the model's dtype (bf16: rounded to nearest even, as store). */
-ALWAYS_INLINE void store16(void *out, int64_t at, __m512 x, const int is_bf16) {
-    if (!is_bf16) {
-        _mm512_storeu_ps((float *)out + at, x);
-        return;
-    }
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
-}
-
 /* scores[m][16 t0 : 16 (t0 + U)] = q_m . keys of tiles t0 .. t0 + U - 1, every vector m of
  * the block: each key vector loaded once for MB vectors. */
 ALWAYS_INLINE void score_tiles(const Prefill *a, const Block *blk, const Scratch *b, int64_t t0,
