@@ -97,10 +97,12 @@ ALWAYS_INLINE __m512 rnd16(__m512 x, const int is_bf16) {
 }
 
 /* e^x for x <= 88, 16 lanes, within an ulp or two of expf: x = n ln 2 + r with |r| <= ln 2 / 2
- * (ln 2 in two parts, so r is exact to fp32), e^r by its Taylor series to degree 7 (the
- * remainder under 6e-9), times 2^n by vscalefps (0 far below). Inline: the library's vector
- * expf is a call per 16 lanes. */
+ * (ln 2 in two parts, so r is exact to fp32 while |n| stays small), e^r by its Taylor series to
+ * degree 7 (the remainder under 6e-9), times 2^n by vscalefps. x below -100 counts as -100
+ * (e^-100 is under fp32's smallest normal; further down the reduction would lose r). Inline:
+ * the library's vector expf is a call per 16 lanes. */
 ALWAYS_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln 2, high bits */
