@@ -42,18 +42,24 @@ ALWAYS_INLINE __m512 load16(const void *base, int64_t i, const int is_bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-/* 16 fp32 stored at base[i:] in the model's dtype: bf16 rounded to nearest even (as
- * float_to_bf16, without its NaN branch), or fp32 as they are. */
+/* 16 fp32 rounded to the model's dtype, kept as fp32: bf16 to nearest even (as
+ * float_to_bf16, without its NaN branch), fp32 as they are. */
+ALWAYS_INLINE __m512 rnd16(__m512 x, const int is_bf16) {
+    if (!is_bf16) return x;
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* 16 fp32 stored at base[i:] in the model's dtype, rounded as rnd16. */
 ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int is_bf16) {
     if (!is_bf16) {
         _mm512_storeu_ps((float *)base + i, x);
         return;
     }
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+    const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(rnd16(x, 1)), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(top));
 }
 #endif
 

@@ -87,15 +87,6 @@ static inline void silu_mul_tail(const float *gate, const float *up, float *act,
 }
 
 #if defined(__AVX512F__)
-/* rnd of 16 lanes: to the nearest bf16 (ties to even), kept as fp32 (no NaN reaches it). */
-ALWAYS_INLINE __m512 rnd16(__m512 x, const int is_bf16) {
-    if (!is_bf16) return x;
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 /* e^x for x <= 88, 16 lanes, within an ulp or two of expf: x = n ln 2 + r with |r| <= ln 2 / 2
  * (ln 2 in two parts, so r is exact to fp32 while |n| stays small), e^r by its Taylor series to
  * degree 7 (the remainder under 6e-9), times 2^n by vscalefps. x below -100 counts as -100
