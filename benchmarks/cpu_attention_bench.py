@@ -62,22 +62,33 @@ def alternate_timings(kernels: list[K], step: Callable[[K], None], reps: int) ->
     return times
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--context", default="256,320", help="low,high: contexts uniform in it")
+def add_timing_arguments(p: argparse.ArgumentParser, source_name: str) -> None:
+    """The options both CPU attention benches take: layers, dtype, threads, reps, and the
+    versions of the kernel's C source (``source_name``) to alternate."""
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--source", action="append", type=Path, default=None,
-                   help="a copy of paged_decode.c to time (repeatable; default: the engine's)")
+                   help=f"a copy of {source_name} to time (repeatable; default: the engine's)")
+
+
+def start_timing(args: argparse.Namespace) -> torch.dtype:
+    """Threads and seed as the options say; the dtype they name."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return getattr(torch, args.dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--context", default="256,320", help="low,high: contexts uniform in it")
+    add_timing_arguments(p, SOURCE.name)
     args = p.parse_args()
     sources = args.source or [SOURCE]
     kernels = [PagedDecodeKernel(built_library(s.resolve())) for s in sources]
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
+    dtype = start_timing(args)
     low, high = (int(v) for v in args.context.split(","))
     seq_lens = torch.randint(low, high + 1, (args.requests,), dtype=torch.int32)  # [R]
     layers = paged_caches(args.layers, seq_lens, dtype)

@@ -20,10 +20,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
-from cpu_attention_bench import HEAD_DIM, HEADS, alternate_timings, paged_caches
+from cpu_attention_bench import (
+    HEAD_DIM,
+    HEADS,
+    add_timing_arguments,
+    alternate_timings,
+    paged_caches,
+    start_timing,
+)
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.attention.backends.cpu_native.prefill import (
@@ -43,18 +49,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--prefix", type=int, default=0, help="cached tokens before each prompt")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--source", action="append", type=Path, default=None,
-                   help="a version of paged_prefill.c to time (repeatable; default: the engine's)")
+    add_timing_arguments(p, SOURCE.name)
     args = p.parse_args()
     sources = args.source or [SOURCE]
     kernels = [PagedPrefillKernel(built_library(s.resolve())) for s in sources]
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
+    dtype = start_timing(args)
     seq_len, rows = args.prefix + args.prompt_len, args.prompts * args.prompt_len
     layers = paged_caches(args.layers, torch.full((args.prompts,), seq_len), dtype)
     query = torch.randn(rows, HEADS, HEAD_DIM).to(dtype)  # [rows, HEADS, HEAD_DIM]
