@@ -417,9 +417,16 @@ static int64_t scratch_floats(const Work *w) {
     return (2 * w->num_heads + w->block_size * w->num_kv_heads) * w->head_dim + w->num_heads * max_len;
 }
 
+/* Every request of `w`, shared among the threads of the enclosing OpenMP region (a team of
+ * one outside any), which meet at the loop's end; buf: this thread's scratch_floats(w). */
+static inline void attend_shared(const Work *w, float *buf) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t req = 0; req < w->num_reqs; req++) run_task(w, req, buf);
+}
+
 /* Every request of `w`, `num_threads` OpenMP threads sharing them; returns how many were
  * left undone (a thread could not allocate its scratch). */
-static int64_t attend_requests(const Work *w, int num_threads) {
+static inline int64_t attend_requests(const Work *w, int num_threads) {
     const size_t scratch = (size_t)scratch_floats(w) * sizeof(float);
     int64_t undone = 0;
 #pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1) reduction(+ : undone)
