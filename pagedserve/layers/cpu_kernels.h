@@ -61,6 +61,17 @@ ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int is_bf16) {
     const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(rnd16(x, 1)), 16);
     _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(top));
 }
+
+/* 16 fp32 that hold values of the model's dtype already (rnd16's results) stored at base[i:]:
+ * bf16 as their top halves, with no rounding left to do. */
+ALWAYS_INLINE void store16_exact(void *base, int64_t i, __m512 x, const int is_bf16) {
+    if (!is_bf16) {
+        _mm512_storeu_ps((float *)base + i, x);
+        return;
+    }
+    const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(top));
+}
 #endif
 
 #endif

@@ -97,9 +97,10 @@ ALWAYS_INLINE void silu_row(const void *x, int64_t x_stride, void *out, int64_t 
     int64_t c = 0;
 #if defined(__AVX512F__)
     for (; c + 16 <= d; c += 16) {
-        store16(out, r * d + c, silu_mul16(load16(x, r * x_stride + c, is_bf16),
-                                           load16(x, r * x_stride + d + c, is_bf16), is_bf16),
-                is_bf16);
+        /* silu_mul16 rounds its result to the dtype: only the narrowing is left */
+        store16_exact(out, r * d + c, silu_mul16(load16(x, r * x_stride + c, is_bf16),
+                                                 load16(x, r * x_stride + d + c, is_bf16),
+                                                 is_bf16), is_bf16);
     }
 #endif
     const int64_t left = d - c;

@@ -1,5 +1,6 @@
 /* Few-row matrix products of the CPU's one-token decode step (model/cpu_decode.c):
- * y[m, n] = x[m, k] W^T (+ bias), fp32 sums, fp32 out, weights bf16 or fp32.
+ * y[m, n] = x[m, k] W^T (+ bias), fp32 sums, fp32 out rounded to the weights' dtype, weights bf16
+ * or fp32.
  *
  * A decode step multiplies every weight by a few rows, so its time is the weight read: each
  * pass reads COLS weight rows once (they stay in L1) for every block of up to ROWS rows of x,
@@ -139,15 +140,17 @@ static void dots(const float *x, const uint16_t *xb, const char *rows[GEMV_COLS]
 #undef DOTS_M
 }
 
-/* y[m, n] = x[m, k] w[n, k]^T + bias[n] (bias may be NULL), fp32 out. x: fp32 [m, k]; with bf16
- * weights, xb: the same values as bf16 [m, k] (fp32 weights: xb unused). bias in the weights'
- * dtype. */
-static void decode_gemv(const float *x, const uint16_t *xb, const void *w, const void *bias,
-                        float *y, int64_t m, int64_t n, int64_t k, int is_bf16,
-                        int num_threads) {
+/* y[m, n] = x[m, k] w[n, k]^T + bias[n] (bias may be NULL), fp32 out rounded to the dtype
+ * (bf16 weights: each y a bf16 value). x: fp32 [m, k]; with bf16 weights, xb: the same values
+ * as bf16 [m, k] (x unread; fp32 weights: xb unread). bias in the weights' dtype. The passes go
+ * to the threads of the enclosing OpenMP region (a team of one outside any), which meet at the
+ * loop's end. */
+static void decode_gemv_shared(const float *x, const uint16_t *xb, const void *w,
+                               const void *bias, float *y, int64_t m, int64_t n, int64_t k,
+                               int is_bf16) {
     const int64_t passes = (n + GEMV_COLS - 1) / GEMV_COLS, elem = is_bf16 ? 2 : 4;
     const int interleave = m >= GEMV_INTERLEAVE_ROWS;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < passes; p++) {
         const int64_t col = p * GEMV_COLS, cols = n - col < GEMV_COLS ? n - col : GEMV_COLS;
         const char *rows[GEMV_COLS];
@@ -161,10 +164,21 @@ static void decode_gemv(const float *x, const uint16_t *xb, const void *w, const
                 if (bias != NULL)
                     b = is_bf16 ? bf16_to_float(((const uint16_t *)bias)[col + j])
                                 : ((const float *)bias)[col + j];
-                for (int64_t r = 0; r < block; r++) y[(r0 + r) * n + col + j] = sums[r][j] + b;
+                for (int64_t r = 0; r < block; r++) {
+                    const float v = sums[r][j] + b;
+                    y[(r0 + r) * n + col + j] = is_bf16 ? round_bf16(v) : v;
+                }
             }
         }
     }
+}
+
+/* decode_gemv_shared on `num_threads` threads of its own region. */
+static void decode_gemv(const float *x, const uint16_t *xb, const void *w, const void *bias,
+                        float *y, int64_t m, int64_t n, int64_t k, int is_bf16,
+                        int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    decode_gemv_shared(x, xb, w, bias, y, m, n, k, is_bf16);
 }
 
 #endif

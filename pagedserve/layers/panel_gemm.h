@@ -1,5 +1,6 @@
 /* Matrix products of a decode step at larger batches (model/cpu_decode.c): y[m, n] = x[m, k]
- * W^T (+ bias), fp32 sums, fp32 out, on weights packed in panels of 16 output columns.
+ * W^T (+ bias), fp32 sums, fp32 out rounded to the weights' dtype, on weights packed in panels
+ * of 16 output columns.
  *
  * decode_gemv.h reads W in its plain [n, k] layout and sums each product along k in one
  * vector, so every (row, column) sum ends in a horizontal add, and each step loads x again.
@@ -89,7 +90,8 @@ ALWAYS_INLINE void panel_block(const float *x, const uint16_t *xb, const char *w
     }
 }
 
-/* One block: the products, then y's columns col..col+16G (masked past n) plus the bias. */
+/* One block: the products, then y's columns col..col+16G (masked past n) plus the bias,
+ * rounded to the dtype. */
 ALWAYS_INLINE void panel_store(const __m512 acc[PANEL_ROWS][PANEL_GROUP], const void *bias,
                                float *y, int64_t col, int64_t n, int is_bf16, const int R,
                                const int G) {
@@ -102,7 +104,7 @@ ALWAYS_INLINE void panel_store(const __m512 acc[PANEL_ROWS][PANEL_GROUP], const 
                               _mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + c)), 16))
                         : _mm512_maskz_loadu_ps(mask, (const float *)bias + c);
         for (int r = 0; r < R; r++)
-            _mm512_mask_storeu_ps(y + r * n + c, mask, _mm512_add_ps(acc[r][g], b));
+            _mm512_mask_storeu_ps(y + r * n + c, mask, rnd16(_mm512_add_ps(acc[r][g], b), is_bf16));
     }
 }
 
@@ -128,17 +130,20 @@ static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const
 }
 #endif
 
-/* y[m, n] = x[m, k] W^T + bias[n] (bias NULL: none, else in the weights' dtype), fp32 out. x:
- * fp32 [m, k]; bf16 weights: xb, the same values as bf16 [m, k]. wp: W packed (above). Returns
- * 0, or 1 where this build has no kernel for the dtype (nothing written). */
-static int panel_gemm(const float *x, const uint16_t *xb, const void *wp, const void *bias,
-                      float *y, int64_t m, int64_t n, int64_t k, int is_bf16, int num_threads) {
-    if (is_bf16 ? !PANEL_BF16 : !PANEL_F32) return 1;
+/* y[m, n] = x[m, k] W^T + bias[n] (bias NULL: none, else in the weights' dtype), fp32 out
+ * rounded to the dtype (bf16 weights: each y a bf16 value). x: fp32 [m, k]; bf16 weights: xb,
+ * the same values as bf16 [m, k] (x unread). wp: W packed (above). The groups of panels go to
+ * the threads of the enclosing OpenMP region (a team of one outside any), which meet at the
+ * loop's end: y is whole for every thread once this returns. The caller checks PANEL_F32 /
+ * PANEL_BF16. */
+static inline void panel_gemm_shared(const float *x, const uint16_t *xb, const void *wp,
+                                     const void *bias, float *y, int64_t m, int64_t n, int64_t k,
+                                     int is_bf16) {
 #if PANEL_F32
     const int64_t panels = (n + PANEL_COLS - 1) / PANEL_COLS;
     const int64_t groups = (panels + PANEL_GROUP - 1) / PANEL_GROUP;
     const int64_t panel_bytes = k * PANEL_COLS * (is_bf16 ? 2 : 4);
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t gi = 0; gi < groups; gi++) {
         const int64_t p = gi * PANEL_GROUP;
         const int G = panels - p < PANEL_GROUP ? (int)(panels - p) : PANEL_GROUP;
@@ -152,9 +157,18 @@ static int panel_gemm(const float *x, const uint16_t *xb, const void *wp, const 
         }
     }
 #else
-    (void)x, (void)xb, (void)wp, (void)bias, (void)y, (void)m, (void)n, (void)k;
-    (void)num_threads;
+    (void)x, (void)xb, (void)wp, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)is_bf16;
 #endif
+}
+
+/* panel_gemm_shared on `num_threads` threads of its own region. Returns 0, or 1 where this
+ * build has no kernel for the dtype (nothing written). */
+static inline int panel_gemm(const float *x, const uint16_t *xb, const void *wp,
+                             const void *bias, float *y, int64_t m, int64_t n, int64_t k,
+                             int is_bf16, int num_threads) {
+    if (is_bf16 ? !PANEL_BF16 : !PANEL_F32) return 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    panel_gemm_shared(x, xb, wp, bias, y, m, n, k, is_bf16);
     return 0;
 }
 

@@ -21,16 +21,24 @@ as fast at 32 rows and faster beyond."""
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] (bf16 with k even, or fp32) -> its panels, contiguous: bf16
-    [ceil(n/16), k/2, 16, 2], fp32 [ceil(n/16), k, 16]; padding columns are zero."""
+    """weight [n, k] (bf16 with k even, or fp32) -> its panels, a new contiguous tensor: bf16
+    [ceil(n/16), k/2, 16, 2], fp32 [ceil(n/16), k, 16]; padding columns are zero.
+
+    Both are a transpose of 32-bit words per panel ([16, words] -> [words, 16]): a bf16 pair
+    is one int32. torch copies a transpose of words several times faster than the 4-D permute
+    of 2-byte elements, and the zero padding is only copied where n needs it."""
     n, k = weight.shape
     if weight.dtype == torch.bfloat16 and k % 2:
         raise ValueError(f"panel_pack: bf16 weights need an even k, not {k}")
-    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL_COLS))  # [n16, k]
-    panels = padded.view(-1, PANEL_COLS, k)  # [P, 16, k]
+    rows = weight.detach()
+    if n % PANEL_COLS:
+        rows = F.pad(rows, (0, 0, 0, -n % PANEL_COLS))  # [n16, k]
+    words = rows.view(torch.int32) if weight.dtype == torch.bfloat16 else rows  # [n16, w]
+    panels = words.view(-1, PANEL_COLS, words.shape[1]).transpose(1, 2)  # [P, w, 16]
+    packed = panels.clone(memory_format=torch.contiguous_format)  # never the weight itself
     if weight.dtype == torch.bfloat16:
-        return panels.view(-1, PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return panels.permute(0, 2, 1).contiguous()
+        return packed.view(torch.bfloat16).view(-1, k // 2, PANEL_COLS, 2)
+    return packed
 
 
 def panel_packable(weight: torch.Tensor) -> bool:

@@ -55,50 +55,58 @@ typedef struct {
 /* The step's activations (fp32 unless said), one allocation. */
 typedef struct {
     float *res, *y, *normed;   /* [m, hidden]: residual stream, sublayer output, norm output */
-    float *qkv, *attn, *gate_up, *act;   /* [m, (Hq+2Hkv) D], [m, Hq D], [m, 2 I], [m, I] */
+    float *qkv, *gate_up, *act; /* [m, (Hq+2Hkv) D], [m, 2 I], [m, I] */
     void *q, *out;             /* [m, Hq D] in the model's dtype: the attention kernel's */
-    uint16_t *xb;              /* [m, max(hidden, Hq D, I)]: a GEMV's input as bf16 */
+    uint16_t *xb;              /* [m, max(hidden, I)]: a product's input as bf16 */
     int64_t *rows;             /* [m]: 0..m-1 */
 } Scratch;
 
-static void round_all(float *x, int64_t n, int is_bf16) {
-    if (is_bf16)
-        for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
+/* xb[0:n] = x[0:n] as bf16; x holds bf16 values already (rounded), so this is exact. */
+static void to_bf16_row(const float *x, uint16_t *xb, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) store16(xb, i, _mm512_loadu_ps(x + i), 1);
+#endif
+    for (; i < n; i++) xb[i] = float_to_bf16(x[i]);
 }
 
-/* Each row: y += res (fp32, the sum); res = y in the dtype; normed = RMSNorm(y). */
-static void add_norm(const DecodeModel *md, const void *w, int64_t m, Scratch *s) {
+/* Each row: y += res (fp32, the sum); res = y in the dtype; normed = RMSNorm(y) (bf16: also
+ * into xb, the next product's input). Rows go to the region's threads. */
+static void add_norm_rows(const DecodeModel *md, const void *w, int64_t m, Scratch *s) {
     const int64_t h = md->hidden;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
-        float *sum = s->y + r * h;
-        for (int64_t i = 0; i < h; i++) sum[i] += s->res[r * h + i];
-        for (int64_t i = 0; i < h; i++) s->res[r * h + i] = rnd(sum[i], md->is_bf16);
+        float *sum = s->y + r * h, *res = s->res + r * h;
+        for (int64_t i = 0; i < h; i++) sum[i] += res[i];
+        for (int64_t i = 0; i < h; i++) res[i] = rnd(sum[i], md->is_bf16);
         rms_norm(sum, w, md->norm_eps, h, s->normed + r * h, md->is_bf16);
+        if (md->is_bf16) to_bf16_row(s->normed + r * h, s->xb + r * h, h);
     }
 }
 
-/* y = x W^T + bias, rounded to the dtype: the GEMV of a linear layer; on `panels` (w packed,
- * or NULL) from md->panel_min_rows rows on. */
-static void linear(const DecodeModel *md, const float *x, const void *w, const void *panels,
-                   const void *bias, float *y, int64_t m, int64_t n, int64_t k, Scratch *s,
-                   int num_threads) {
-    if (md->is_bf16)
-        for (int64_t i = 0; i < m * k; i++) s->xb[i] = float_to_bf16(x[i]);
-    if (panels == NULL || m < md->panel_min_rows
-        || panel_gemm(x, s->xb, panels, bias, y, m, n, k, md->is_bf16, num_threads) != 0)
-        decode_gemv(x, s->xb, w, bias, y, m, n, k, md->is_bf16, num_threads);
-    round_all(y, m * n, md->is_bf16);
+/* y = x W^T + bias, rounded to the dtype: the product of a linear layer, on `panels` (w packed,
+ * or NULL) from md->panel_min_rows rows on. bf16 reads xb, fp32 x. Shared by the region's
+ * threads; y is whole for each of them on return. */
+static void linear(const DecodeModel *md, const float *x, const uint16_t *xb, const void *w,
+                   const void *panels, const void *bias, float *y, int64_t m, int64_t n,
+                   int64_t k) {
+    const int have_panels = md->is_bf16 ? PANEL_BF16 : PANEL_F32;
+    if (panels != NULL && have_panels && m >= md->panel_min_rows)
+        panel_gemm_shared(x, xb, panels, bias, y, m, n, k, md->is_bf16);
+    else
+        decode_gemv_shared(x, xb, w, bias, y, m, n, k, md->is_bf16);
 }
 
 /* q/k norms (Qwen3), rotary embedding, the cache write and the attention kernel's query, for
- * each row of the step's qkv. */
-static int rope_and_write_kv(const DecodeModel *md, const DecodeLayer *L, int64_t m,
-                             const int64_t *positions, const int64_t *slots, Scratch *s) {
+ * each row of the step's qkv; rows go to the region's threads (each writes its own cache
+ * slot). Positions were checked against the rotary table before the step. */
+static void rope_and_write_kv(const DecodeModel *md, const DecodeLayer *L, int64_t m,
+                              const int64_t *positions, const int64_t *slots, Scratch *s) {
     const int64_t d = md->head_dim, hq = md->num_heads * d, hkv = md->num_kv_heads * d;
     const int bf = md->is_bf16;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         float *q = s->qkv + r * (hq + 2 * hkv), *k = q + hq, *v = k + hkv;
-        if (positions[r] < 0 || positions[r] >= md->max_position) return 3;
         if (L->q_norm != NULL) {
             for (int64_t hd = 0; hd < md->num_heads; hd++)
                 rms_norm(q + hd * d, L->q_norm, md->qk_norm_eps, d, q + hd * d, bf);
@@ -116,43 +124,56 @@ static int rope_and_write_kv(const DecodeModel *md, const DecodeLayer *L, int64_
             store(L->value_cache, at + i, v[i], bf);
         }
     }
-    return 0;
 }
 
-/* One decoder layer over the step's rows: s->y and s->res in, the same out. */
-static int layer_step(const DecodeModel *md, const DecodeLayer *L, int64_t m,
-                      const int64_t *positions, const int64_t *slots, const int32_t *block_table,
-                      int64_t table_stride, const int32_t *seq_lens, Scratch *s, int threads) {
-    const int64_t h = md->hidden, d = md->head_dim, hq = md->num_heads * d;
-    const int64_t qkv_n = hq + 2 * md->num_kv_heads * d, inter = md->intermediate;
-    const int bf = md->is_bf16;
-    add_norm(md, L->input_norm, m, s);
-    linear(md, s->normed, L->qkv, L->qkv_panels, L->qkv_bias, s->qkv, m, qkv_n, h, s, threads);
-    int status = rope_and_write_kv(md, L, m, positions, slots, s);
-    if (status != 0) return status;
-    const Work w = {s->q, L->key_cache, L->value_cache, s->rows, block_table, seq_lens, s->out,
-                    m, md->num_heads, md->num_kv_heads, d, md->block_size, table_stride,
-                    hq, hq, md->cache_block_stride, md->scale, bf};
-    if (attend_requests(&w, threads) != 0) return 2;
-    for (int64_t i = 0; i < m * hq; i++) s->attn[i] = load(s->out, i, bf);
-    linear(md, s->attn, L->o_proj, L->o_panels, L->o_bias, s->y, m, h, hq, s, threads);
-    add_norm(md, L->post_norm, m, s);
-    linear(md, s->normed, L->gate_up, L->gate_up_panels, L->gate_up_bias, s->gate_up, m,
-           2 * inter, h, s, threads);
+/* act = SiLU(gate) * up per row (bf16: also into xb); rows go to the region's threads. */
+static void silu_rows(const DecodeModel *md, int64_t m, Scratch *s) {
+    const int64_t inter = md->intermediate;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *g = s->gate_up + r * 2 * inter;
-        silu_mul(g, g + inter, s->act + r * inter, inter, bf);
+        silu_mul(g, g + inter, s->act + r * inter, inter, md->is_bf16);
+        if (md->is_bf16) to_bf16_row(s->act + r * inter, s->xb + r * inter, inter);
     }
-    linear(md, s->act, L->down, L->down_panels, L->down_bias, s->y, m, h, inter, s, threads);
-    return 0;
+}
+
+/* The step's tables, the same for every layer. */
+typedef struct {
+    int64_t m, table_stride;
+    const int64_t *positions, *slots;
+    const int32_t *block_table, *seq_lens;
+} StepRows;
+
+/* One decoder layer over the step's rows: s->y and s->res in, the same out. Called by every
+ * thread of the step's region: each stage's loop is shared, and its closing barrier orders it
+ * before the next stage's reads. buf: this thread's attention scratch. */
+static void layer_step(const DecodeModel *md, const DecodeLayer *L, const StepRows *st,
+                       Scratch *s, float *buf) {
+    const int64_t h = md->hidden, d = md->head_dim, hq = md->num_heads * d, m = st->m;
+    const int64_t qkv_n = hq + 2 * md->num_kv_heads * d, inter = md->intermediate;
+    const int bf = md->is_bf16;
+    add_norm_rows(md, L->input_norm, m, s);
+    linear(md, s->normed, s->xb, L->qkv, L->qkv_panels, L->qkv_bias, s->qkv, m, qkv_n, h);
+    rope_and_write_kv(md, L, m, st->positions, st->slots, s);
+    const Work w = {s->q, L->key_cache, L->value_cache, s->rows, st->block_table, st->seq_lens,
+                    s->out, m, md->num_heads, md->num_kv_heads, d, md->block_size,
+                    st->table_stride, hq, hq, md->cache_block_stride, md->scale, bf};
+    attend_shared(&w, buf);
+    /* The attention's output, in the dtype, is o_proj's input as it is: bf16 as xb, fp32 as x. */
+    linear(md, (const float *)s->out, (const uint16_t *)s->out, L->o_proj, L->o_panels,
+           L->o_bias, s->y, m, h, hq);
+    add_norm_rows(md, L->post_norm, m, s);
+    linear(md, s->normed, s->xb, L->gate_up, L->gate_up_panels, L->gate_up_bias, s->gate_up, m,
+           2 * inter, h);
+    silu_rows(md, m, s);
+    linear(md, s->act, s->xb, L->down, L->down_panels, L->down_bias, s->y, m, h, inter);
 }
 
 static void *alloc_scratch(const DecodeModel *md, int64_t m, Scratch *s) {
     const int64_t h = md->hidden, hq = md->num_heads * md->head_dim;
     const int64_t qkv_n = hq + 2 * md->num_kv_heads * md->head_dim, inter = md->intermediate;
-    int64_t widest = h > hq ? h : hq;
-    widest = widest > inter ? widest : inter;
-    const int64_t floats = m * (3 * h + qkv_n + 3 * hq + 3 * inter) + m * widest / 2 + 2 * m + 16;
+    const int64_t widest = h > inter ? h : inter;
+    const int64_t floats = m * (3 * h + qkv_n + 2 * hq + 3 * inter) + m * widest / 2 + 2 * m + 16;
     float *base = malloc((size_t)floats * sizeof(float));
     if (base == NULL) return NULL;
     float *p = base;
@@ -161,7 +182,6 @@ static void *alloc_scratch(const DecodeModel *md, int64_t m, Scratch *s) {
     s->y = p, p += m * h;
     s->normed = p, p += m * h;
     s->qkv = p, p += m * qkv_n;
-    s->attn = p, p += m * hq;
     s->q = p, p += m * hq; /* room for fp32; bf16 uses half */
     s->out = p, p += m * hq;
     s->gate_up = p, p += 2 * m * inter;
@@ -171,25 +191,55 @@ static void *alloc_scratch(const DecodeModel *md, int64_t m, Scratch *s) {
     return base;
 }
 
-/* Returns 0 on success; 1: no memory for the scratch, 2: the attention left requests undone,
- * 3: a position past the rotary table. */
+/* Every layer and the final norm, on the threads of one OpenMP region: a region per product
+ * left the row operations between them to one thread while the others waited. Returns 0, or 2
+ * where a thread could not allocate its attention scratch (then no thread ran a layer). */
+static int run_layers(const DecodeModel *md, const StepRows *st, Scratch *s, void *hidden,
+                      int num_threads) {
+    const Work sizes = {.rows = s->rows, .seq_lens = st->seq_lens, .num_reqs = st->m,
+                        .num_heads = md->num_heads, .num_kv_heads = md->num_kv_heads,
+                        .head_dim = md->head_dim, .block_size = md->block_size};
+    const size_t scratch = (size_t)scratch_floats(&sizes) * sizeof(float);
+    const int64_t n = st->m * md->hidden;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        float *buf = malloc(scratch);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int stop; /* the same for every thread: read after the barrier */
+#pragma omp atomic read
+        stop = failed;
+        if (!stop) {
+            for (int64_t l = 0; l < md->num_layers; l++)
+                layer_step(md, &md->layers[l], st, s, buf);
+            add_norm_rows(md, md->final_norm, st->m, s);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) store(hidden, i, s->normed[i], md->is_bf16);
+        }
+        free(buf);
+    }
+    return failed ? 2 : 0;
+}
+
+/* Returns 0 on success; 1: no memory for the scratch, 2: a thread had no memory for the
+ * attention's scratch (nothing computed), 3: a position past the rotary table. */
 int decode_step(const DecodeModel *md, void *hidden, int64_t m, const int64_t *positions,
                 const int64_t *slots, const int32_t *block_table, int64_t table_stride,
                 const int32_t *seq_lens, int num_threads) {
+    for (int64_t r = 0; r < m; r++)
+        if (positions[r] < 0 || positions[r] >= md->max_position) return 3;
     Scratch s;
     void *base = alloc_scratch(md, m, &s);
     if (base == NULL) return 1;
     const int64_t h = md->hidden;
     for (int64_t i = 0; i < m * h; i++) s.y[i] = load(hidden, i, md->is_bf16);
     memset(s.res, 0, (size_t)(m * h) * sizeof(float)); /* layer 0: y + 0 is the embedding */
-    int status = 0;
-    for (int64_t l = 0; l < md->num_layers && status == 0; l++)
-        status = layer_step(md, &md->layers[l], m, positions, slots, block_table, table_stride,
-                            seq_lens, &s, num_threads);
-    if (status == 0) {
-        add_norm(md, md->final_norm, m, &s);
-        for (int64_t i = 0; i < m * h; i++) store(hidden, i, s.normed[i], md->is_bf16);
-    }
+    const StepRows st = {m, table_stride, positions, slots, block_table, seq_lens};
+    const int status = run_layers(md, &st, &s, hidden, num_threads);
     free(base);
     return status;
 }
@@ -202,7 +252,6 @@ int decode_linear(const float *x, const void *w, const void *bias, float *y, int
     if (xb == NULL) return 1;
     for (int64_t i = 0; i < m * k; i++) xb[i] = float_to_bf16(x[i]);
     decode_gemv(x, xb, w, bias, y, m, n, k, is_bf16, num_threads);
-    round_all(y, m * n, is_bf16);
     free(xb);
     return 0;
 }

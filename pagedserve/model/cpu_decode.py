@@ -46,13 +46,13 @@ MAX_FP32_ROWS = 128
 """fp32 decode batches above this run the torch layers: up to here the C step on packed weights
 was measured faster than the torch layers (docs/cpu.md#c-decode-step), beyond it not measured.
 bf16 batches of any size run in C."""
-_STATUS = {1: "no memory for the step's scratch", 2: "the attention left requests undone",
+_STATUS = {1: "no memory for the step's scratch", 2: "no memory for the attention's scratch",
            3: "a position past the rotary table"}
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Layer(ctypes.Structure):
+class LayerTable(ctypes.Structure):
     """``DecodeLayer`` of cpu_decode.c: one layer's tensors (NULL: no bias / no q/k norm)."""
 
     _fields_ = [(name, _p) for name in (
@@ -61,7 +61,7 @@ class _Layer(ctypes.Structure):
         "qkv_panels", "o_panels", "gate_up_panels", "down_panels")]
 
 
-class _Model(ctypes.Structure):
+class ModelTable(ctypes.Structure):
     """``DecodeModel`` of cpu_decode.c."""
 
     _fields_ = [*[(name, _i64) for name in (
@@ -69,20 +69,26 @@ class _Model(ctypes.Structure):
         "block_size", "cache_block_stride", "max_position")],
         ("norm_eps", ctypes.c_float), ("qk_norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("is_bf16", ctypes.c_int), ("panel_min_rows", _i64), ("cos_sin", _p), ("final_norm", _p),
-        ("layers", ctypes.POINTER(_Layer))]
+        ("layers", ctypes.POINTER(LayerTable))]
+
+
+def decode_step_of(source: Path) -> Callable[..., int]:
+    """``decode_step`` of ``source`` (cpu_decode.c or a copy of it) built, its argument types
+    set. OSError, RuntimeError or SubprocessError where it cannot be built here."""
+    fn = ctypes.CDLL(str(built_library(source))).decode_step
+    fn.argtypes = [ctypes.POINTER(ModelTable), _p, _i64, _p, _p, _p, _i64, _p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[..., int], fn)
 
 
 @functools.cache
 def load_decode_step() -> Callable[..., int] | None:
     """``decode_step`` of the built library; None (logged once) where it cannot be built."""
     try:
-        fn = ctypes.CDLL(str(built_library(SOURCE))).decode_step
+        return decode_step_of(SOURCE)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU decode step not built (%s): decode steps run the torch layers", e)
         return None
-    fn.argtypes = [ctypes.POINTER(_Model), _p, _i64, _p, _p, _p, _i64, _p, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return cast(Callable[..., int], fn)
 
 
 def unsupported_reason(model: LlamaForCausalLM, types: LayerTypes) -> str | None:
@@ -138,7 +144,7 @@ class CpuDecodeForward:
         """Steps run in C (tests read it)."""
         self.cache_refused = False
         self._caches: list[torch.Tensor] = []
-        self._tables: tuple[_Model, ctypes.Array[_Layer]] | None = None
+        self._tables: tuple[ModelTable, ctypes.Array[LayerTable]] | None = None
         self._panels: list[list[torch.Tensor | None]] | None = None
         """Per layer: qkv, o, gate_up, down packed for panel_gemm (None: not yet; a weight's
         None: no copy, it reads the plain weight). Decode batches of ``PANEL_MIN_ROWS``
@@ -183,7 +189,7 @@ class CpuDecodeForward:
             return None
         return block_table, seq_lens, slots
 
-    def _c_model(self, rows: int = 1) -> _Model | None:
+    def _c_model(self, rows: int = 1) -> ModelTable | None:
         """The C step's tables for the layers' current caches (with packed weights from the
         first step of ``PANEL_MIN_ROWS`` rows on); None where a cache is not one the C step
         reads (an FP8 cache: the torch layers serve every step, logged once)."""
@@ -212,17 +218,17 @@ class CpuDecodeForward:
         return [[panel_copies().get(w) if panel_packable(w) else None
                  for w in _panel_weights(layer)] for layer in self.layers]
 
-    def _build_tables(self, caches: list[torch.Tensor]) -> tuple[_Model, ctypes.Array[_Layer]]:
+    def _build_tables(self, caches: list[torch.Tensor]) -> tuple[ModelTable, ctypes.Array[LayerTable]]:
         inner, first = self.model.model, self.layers[0]
         dtype = inner.embed_tokens.weight.dtype
         panels = self._panels or [[] for _ in self.layers]
-        layers = (_Layer * len(self.layers))(*(
+        layers = (LayerTable * len(self.layers))(*(
             _layer_table(layer, cache, packed)
             for layer, cache, packed in zip(self.layers, caches, panels, strict=True)))
         attn = first.self_attn.attn
         q_norm = getattr(first.self_attn, "q_norm", None)
         cos_sin = inner.rotary_emb.cos_sin_cache  # [max_position, head_dim]
-        c_model = _Model(
+        c_model = ModelTable(
             len(self.layers), inner.embed_tokens.weight.shape[1], attn.num_heads,
             attn.num_kv_heads, attn.head_dim, first.mlp.down_proj.weight.shape[1],
             caches[0].shape[2], caches[0].stride(1), cos_sin.shape[0],
@@ -247,11 +253,11 @@ def _panel_weights(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
 
 
 def _layer_table(layer: LlamaDecoderLayer, cache: torch.Tensor,
-                 panels: list[torch.Tensor | None]) -> _Layer:
+                 panels: list[torch.Tensor | None]) -> LayerTable:
     """One layer's addresses; ``panels``: its packed weights (None or none at all: NULL)."""
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return _Layer(
+    return LayerTable(
         _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
         _ptr(attn.qkv_proj.weight), _ptr(attn.qkv_proj.bias),
         _ptr(q_norm.weight if q_norm is not None else None),

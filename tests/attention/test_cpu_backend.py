@@ -98,6 +98,20 @@ def test_block_sizes_and_wide_groups(
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@needs_kernel
+@pytest.mark.parametrize("spread", [0.0, 40.0])
+def test_softmax_of_equal_and_far_apart_scores(spread: float) -> None:
+    """fp32 softmax rows of every length mod 16 (its 16-lane steps end masked): keys all equal
+    (uniform weights), and scores hundreds apart, where the inline e^x of the smaller ones
+    falls below fp32's normal range and clamps at e^-100 (their weights are 0 to fp32)."""
+    seq_lens = list(range(1, 34))
+    query, kv_cache, metadata = _decode_batch(seq_lens, 9, 3, 64, torch.float32)
+    kv_cache[0] = kv_cache[0] * spread if spread else 1.0
+    expected = _run(TorchRefBackend(), query, kv_cache, metadata)
+    got = _run(CpuBackend(KERNEL), query, kv_cache, metadata)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def _cpu_has(flag: str) -> bool:
     return f" {flag} " in cpu_native._cpu_flags() + " "
 

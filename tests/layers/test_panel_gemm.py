@@ -34,6 +34,22 @@ def test_pack_layout() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(32, 6), (16, 2), (16, 1), (48, 576)])
+def test_pack_of_whole_panels_is_a_copy(dtype: torch.dtype, n: int, k: int) -> None:
+    """n a multiple of 16 (no padding): the same layout, in memory of its own, also where a
+    panel's transpose is a single word wide (bf16 k 2, fp32 k 1)."""
+    if dtype == torch.bfloat16 and k % 2:
+        pytest.skip("bf16 needs an even k")
+    w = torch.randn(n, k).to(dtype)
+    packed = panel_pack(w)
+    want = w.view(-1, 16, k).transpose(1, 2)  # [P, k, 16]
+    if dtype == torch.bfloat16:
+        want = w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3)  # [P, k/2, 16, 2]
+    assert packed.is_contiguous() and torch.equal(packed, want)
+    assert packed.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 19])
 @pytest.mark.parametrize(("k", "n"), [(6, 13), (64, 40), (576, 960)])
 @pytest.mark.parametrize("with_bias", [False, True])

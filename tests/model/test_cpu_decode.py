@@ -93,9 +93,11 @@ def _panel_prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3"])
-def test_batches_on_packed_weights(case: str, tmp_path) -> None:
-    """fp32, a batch large enough for the packed weights (panel_gemm.h), with every bias."""
-    torch.set_num_threads(1)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batches_on_packed_weights(case: str, threads: int, tmp_path) -> None:
+    """fp32, a batch large enough for the packed weights (panel_gemm.h), with every bias; at 2
+    threads the step's rows and products are shared by the threads of one region."""
+    torch.set_num_threads(threads)
     extra = {"attention_bias": True, "mlp_bias": True} if case == "llama" else {}
     fused = _compare(our_tiny_model(case, tmp_path, **extra), _panel_prompts(), atol=1e-4)
     assert fused.c_forward.c_steps == NUM_STEPS - 1
@@ -113,9 +115,10 @@ def test_batches_without_room_for_packed_weights_read_the_plain_ones(
     assert panels is not None and all(p is None for layer in panels for p in layer)
 
 
-def test_bf16_batches_on_packed_weights_stay_close(tmp_path) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_batches_on_packed_weights_stay_close(threads: int, tmp_path) -> None:
     """bf16 on packed weights: the first decode step's logits within 2% of their range."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     ours, prompts = our_tiny_model("qwen2", tmp_path, dtype=torch.bfloat16), _panel_prompts()
     want = greedy_generate(ours, prompts, 2)
     fused = DecodeInC(ours)

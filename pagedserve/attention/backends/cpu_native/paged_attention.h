@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "row_ops.h"
 
 typedef struct {
     const void *query, *key_cache, *value_cache;
@@ -88,20 +89,51 @@ ALWAYS_INLINE void widened_scores(const Work *w, const int32_t *table, int64_t s
     }
 }
 
+#if defined(__AVX512F__)
+/* The lanes of a 16-lane step with `left` values left: all 16, or the first `left`. */
+ALWAYS_INLINE __mmask16 lanes_left(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* One row of n scores -> its softmax, in place, 16 lanes at a time (the last step masked; its
+ * idle lanes hold the max, so exp16 sees only arguments <= 0): e^(s - max) by row_ops.h's
+ * exp16, inline, where the library's vector expf was a call per 16 lanes plus a scalar tail. */
+static void softmax_row(float *s, int64_t n) {
+    __m512 vmax = _mm512_set1_ps(s[0]);
+    for (int64_t t = 0; t < n; t += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, lanes_left(n - t), s + t));
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 in = lanes_left(n - t);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(max, in, s + t), max));
+        _mm512_mask_storeu_ps(s + t, in, e);
+        sum = _mm512_mask_add_ps(sum, in, sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 in = lanes_left(n - t);
+        _mm512_mask_storeu_ps(s + t, in, _mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + t), inv));
+    }
+}
+#else
+static void softmax_row(float *s, int64_t n) {
+    float max = s[0], sum = 0.0f;
+    for (int64_t t = 1; t < n; t++) max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = expf(s[t] - max);
+        sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) s[t] *= inv;
+}
+#endif
+
 /* Each of the num_heads rows of seq_len scores becomes its softmax, in place. */
 static void softmax_rows(float *scores, int64_t num_heads, int64_t seq_len) {
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *s = scores + h * seq_len, max = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < seq_len; t++) max = s[t] > max ? s[t] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < seq_len; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < seq_len; t++) s[t] *= inv;
-    }
+    for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * seq_len, seq_len);
 }
 
 /* a[0:dim] += sum over t < n of p[t] * v[t * stride : t * stride + dim] */
@@ -417,9 +449,16 @@ static int64_t scratch_floats(const Work *w) {
     return (2 * w->num_heads + w->block_size * w->num_kv_heads) * w->head_dim + w->num_heads * max_len;
 }
 
+/* Every request of `w`, shared among the threads of the enclosing OpenMP region (a team of
+ * one outside any), which meet at the loop's end; buf: this thread's scratch_floats(w). */
+static inline void attend_shared(const Work *w, float *buf) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t req = 0; req < w->num_reqs; req++) run_task(w, req, buf);
+}
+
 /* Every request of `w`, `num_threads` OpenMP threads sharing them; returns how many were
  * left undone (a thread could not allocate its scratch). */
-static int64_t attend_requests(const Work *w, int num_threads) {
+static inline int64_t attend_requests(const Work *w, int num_threads) {
     const size_t scratch = (size_t)scratch_floats(w) * sizeof(float);
     int64_t undone = 0;
 #pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1) reduction(+ : undone)
