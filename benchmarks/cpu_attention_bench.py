@@ -73,6 +73,19 @@ def add_timing_arguments(p: argparse.ArgumentParser, source_name: str) -> None:
                    help=f"a copy of {source_name} to time (repeatable; default: the engine's)")
 
 
+def add_decode_batch_arguments(p: argparse.ArgumentParser, source_name: str) -> None:
+    """The decode batch (requests, their context range), then ``add_timing_arguments``."""
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--context", default="256,320", help="low,high: contexts uniform in it")
+    add_timing_arguments(p, source_name)
+
+
+def decode_seq_lens(args: argparse.Namespace) -> tuple[int, int, torch.Tensor]:
+    """(low, high, seq_lens int32 [requests]): contexts uniform in ``--context``."""
+    low, high = (int(v) for v in args.context.split(","))
+    return low, high, torch.randint(low, high + 1, (args.requests,), dtype=torch.int32)
+
+
 def start_timing(args: argparse.Namespace) -> torch.dtype:
     """Threads and seed as the options say; the dtype they name."""
     torch.set_num_threads(args.threads)
@@ -82,15 +95,12 @@ def start_timing(args: argparse.Namespace) -> torch.dtype:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--context", default="256,320", help="low,high: contexts uniform in it")
-    add_timing_arguments(p, SOURCE.name)
+    add_decode_batch_arguments(p, SOURCE.name)
     args = p.parse_args()
     sources = args.source or [SOURCE]
     kernels = [PagedDecodeKernel(built_library(s.resolve())) for s in sources]
     dtype = start_timing(args)
-    low, high = (int(v) for v in args.context.split(","))
-    seq_lens = torch.randint(low, high + 1, (args.requests,), dtype=torch.int32)  # [R]
+    low, high, seq_lens = decode_seq_lens(args)  # seq_lens int32 [R]
     layers = paged_caches(args.layers, seq_lens, dtype)
     query = torch.randn(args.requests, HEADS, HEAD_DIM).to(dtype)  # [R, HEADS, HEAD_DIM]
     output = torch.empty_like(query)

@@ -30,8 +30,9 @@ from cpu_attention_bench import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
-    add_timing_arguments,
+    add_decode_batch_arguments,
     alternate_timings,
+    decode_seq_lens,
     paged_caches,
     start_timing,
 )
@@ -56,15 +57,12 @@ def layer_weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--context", default="256,320", help="low,high: contexts uniform in it")
-    add_timing_arguments(p, SOURCE.name)
+    add_decode_batch_arguments(p, SOURCE.name)
     args = p.parse_args()
     sources = args.source or [SOURCE]
     steps = [decode_step_of(s.resolve()) for s in sources]
     dtype = start_timing(args)
-    low, high = (int(v) for v in args.context.split(","))
-    seq_lens = torch.randint(low, high + 1, (args.requests,), dtype=torch.int32)  # [R]
+    low, high, seq_lens = decode_seq_lens(args)  # seq_lens int32 [R]
     caches = paged_caches(args.layers, seq_lens, dtype)
     weights = [layer_weights(dtype) for _ in range(args.layers)]
     layers = (LayerTable * args.layers)(*(
