@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backends.cpu_native import built_library
 from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
+from pagedserve.layers.linear import LinearBase
 from pagedserve.layers.panel_pack import (
     PANEL_MAX_ROWS,
     PANEL_MIN_ROWS,
@@ -116,6 +117,12 @@ class GemvKernel:
             return None
         return panel_copies().get(weight)
 
+    def pack_panels(self, weight: torch.Tensor) -> None:
+        """Make the weight's panel copy now (within the budget) where ``gemm_panels`` has a
+        kernel for its dtype: ``_panels`` then finds it."""
+        if weight.dtype in self.panel_dtypes and panel_packable(weight):
+            panel_copies().get(weight)
+
     def applies(
         self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> bool:
@@ -161,6 +168,20 @@ def cpu_linear() -> Linear:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU bf16 GEMV kernel not built (%s): using F.linear", e)
         return _unless_traced(large)
+
+
+def pack_panels(model: torch.nn.Module) -> None:
+    """The panel copies of the weights that products of ``PANEL_MIN_ROWS`` rows or more read
+    on panels: every linear layer's on this kernel (the C decode step's weights among them)
+    and then the LM head's, so that a budget too small for all of them keeps the decoder
+    layers' (read by every decode step)."""
+    lm_head = getattr(model, "lm_head", None)
+    for module in model.modules():
+        kernel = getattr(module, "dense_linear", None)  # unquantized layers only
+        if isinstance(module, LinearBase) and isinstance(kernel, GemvKernel):
+            kernel.pack_panels(module.weight)
+    if lm_head is not None and isinstance(getattr(lm_head, "dense_linear", None), GemvKernel):
+        lm_head.dense_linear.pack_panels(lm_head.weight)
 
 
 def _unless_traced(large: Linear) -> Linear:

@@ -141,8 +141,44 @@ typedef struct {
     int64_t query_stride, key_stride, value_stride;
 } RopeRows;
 
+/* Where the cache row of `slot` starts in either cache. */
+ALWAYS_INLINE int64_t cache_row(const RopeRows *a, int64_t slot) {
+    return (slot / a->block_size) * a->cache_block_stride
+           + (slot % a->block_size) * a->num_kv_heads * a->head_dim;
+}
+
+/* Row r's values copied to the cache row `at` as they are (the same dtype). */
+ALWAYS_INLINE void copy_value(const RopeRows *a, int64_t r, int64_t at, int is_bf16) {
+    const int64_t width = is_bf16 ? 2 : 4, hkv = a->num_kv_heads * a->head_dim;
+    memcpy((char *)a->value_cache + at * width, (const char *)a->value + r * a->value_stride * width,
+           (size_t)(hkv * width));
+}
+
+#if defined(__AVX512F__)
+/* rope_row for D/2 a multiple of 16: each head read, rotated and stored in one pass. */
+ALWAYS_INLINE void rope_row16(const RopeRows *a, int64_t r, int is_bf16) {
+    const int64_t d = a->head_dim;
+    rotate_into16(a->query, r * a->query_stride, is_bf16, a->query_out, r * a->num_heads * d,
+                  a->num_heads, d, a->cos_sin, r * d, is_bf16);
+    const int64_t slot = a->slots[r];
+    if (slot < 0) return;
+    const int64_t at = cache_row(a, slot);
+    rotate_into16(a->key, r * a->key_stride, is_bf16, a->key_cache, at, a->num_kv_heads, d,
+                  a->cos_sin, r * d, is_bf16);
+    copy_value(a, r, at, is_bf16);
+}
+#endif
+
+/* Row r: its rotated query into query_out; at its slot, its rotated key and its value into the
+ * caches. buf: fp32 [Hq D + Hkv D] (the widened row where the 16-lane pass does not apply). */
 ALWAYS_INLINE void rope_row(const RopeRows *a, int64_t r, float *buf, int is_bf16) {
     const int64_t d = a->head_dim, hq = a->num_heads * d, hkv = a->num_kv_heads * d;
+#if defined(__AVX512F__)
+    if ((d / 2) % 16 == 0) {
+        rope_row16(a, r, is_bf16);
+        return;
+    }
+#endif
     float *q = buf, *k = buf + hq;
     widen(a->query, r * a->query_stride, q, hq, is_bf16);
     rotate(q, a->num_heads, d, a->cos_sin, r, is_bf16);
@@ -151,11 +187,9 @@ ALWAYS_INLINE void rope_row(const RopeRows *a, int64_t r, float *buf, int is_bf1
     if (slot < 0) return;
     widen(a->key, r * a->key_stride, k, hkv, is_bf16);
     rotate(k, a->num_kv_heads, d, a->cos_sin, r, is_bf16);
-    const int64_t at = (slot / a->block_size) * a->cache_block_stride + (slot % a->block_size) * hkv;
+    const int64_t at = cache_row(a, slot);
     narrow(a->key_cache, at, k, hkv, is_bf16);
-    const int64_t width = is_bf16 ? 2 : 4;
-    memcpy((char *)a->value_cache + at * width, (const char *)a->value + r * a->value_stride * width,
-           (size_t)(hkv * width));
+    copy_value(a, r, at, is_bf16);
 }
 
 /* The rotary embedding of each row's query and key; the rotated keys and the values written to

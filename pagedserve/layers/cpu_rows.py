@@ -29,7 +29,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-class _RopeRows(ctypes.Structure):
+class RopeRows(ctypes.Structure):
     """``RopeRows`` of cpu_rows.c."""
 
     _fields_ = [*[(name, _p) for name in (
@@ -39,25 +39,30 @@ class _RopeRows(ctypes.Structure):
             "query_stride", "key_stride", "value_stride")]]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built library with its argument types set; None (logged once) where it cannot be
-    built here."""
+def library_of(source: Path) -> ctypes.CDLL:
+    """``source`` (cpu_rows.c or a copy of it) built, its functions' argument types set.
+    OSError, RuntimeError or SubprocessError where it cannot be built here."""
     from pagedserve.attention.backends.cpu_native import built_library
 
-    try:
-        lib = ctypes.CDLL(str(built_library(SOURCE)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("CPU row kernels not built (%s): the torch code runs", e)
-        return None
+    lib = ctypes.CDLL(str(built_library(source)))
     lib.add_rms_norm_rows.argtypes = [_p] * 3 + [_f32, _p, _p, _i64, _i64, _int, _int]
     lib.silu_and_mul_rows.argtypes = [_p, _i64, _p, _i64, _i64, _int, _int]
-    lib.rope_write_kv_rows.argtypes = [ctypes.POINTER(_RopeRows), _int, _int]
+    lib.rope_write_kv_rows.argtypes = [ctypes.POINTER(RopeRows), _int, _int]
     for fn in (lib.add_rms_norm_rows, lib.silu_and_mul_rows, lib.rope_write_kv_rows):
         fn.restype = _int
     lib.argmax_rows.argtypes = [_p, _i64, _i64, _i64, _int, _p, _int]
     lib.argmax_rows.restype = None
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built library; None (logged once) where it cannot be built here."""
+    try:
+        return library_of(SOURCE)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("CPU row kernels not built (%s): the torch code runs", e)
+        return None
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -151,7 +156,7 @@ def rope_and_write_kv_rows(
     if m and int(slot_mapping.max()) >= num_blocks * block_size:
         raise ValueError(f"slot_mapping: a slot past the cache's {num_blocks * block_size}")
     out = query.new_empty(query.shape)  # [m, Hq * D]
-    rows = _RopeRows(
+    rows = RopeRows(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), cos_sin.data_ptr(),
         slot_mapping.data_ptr(), out.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         m, query.shape[1] // head_dim, num_kv_heads, head_dim, block_size, kv_cache.stride(1),

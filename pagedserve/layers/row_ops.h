@@ -72,6 +72,40 @@ static inline void rotate(float *x, int64_t heads, int64_t dim, const void *cos_
     }
 }
 
+#if defined(__AVX512F__)
+/* rotate's arithmetic on 16 lanes: (x1, x2), columns i and D/2 + i of a head, rotated in
+ * place, each product, difference and sum rounded to the dtype (so the results are values of
+ * the dtype: store16_exact narrows them). */
+ALWAYS_INLINE void rotate16(__m512 *x1, __m512 *x2, __m512 c, __m512 sn, const int is_bf16) {
+    const __m512 a = *x1, b = *x2;
+    *x1 = rnd16(_mm512_sub_ps(rnd16(_mm512_mul_ps(a, c), is_bf16),
+                              rnd16(_mm512_mul_ps(b, sn), is_bf16)), is_bf16);
+    *x2 = rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(b, c), is_bf16),
+                              rnd16(_mm512_mul_ps(a, sn), is_bf16)), is_bf16);
+}
+
+/* rotate of `heads` heads [heads, D] read from x[x_at:] (bf16 where x_is_bf16, else fp32)
+ * and stored in the dtype at out[out_at:], in one pass of 16 lanes: no widened copy of the
+ * row, each cos/sin vector loaded once for every head. cos_sin[cs_at:]: one position's cos
+ * half | sin half, in the dtype. D/2 a multiple of 16. */
+ALWAYS_INLINE void rotate_into16(const void *x, int64_t x_at, const int x_is_bf16, void *out,
+                                 int64_t out_at, int64_t heads, int64_t dim,
+                                 const void *cos_sin, int64_t cs_at, const int is_bf16) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 c = load16(cos_sin, cs_at + i, is_bf16);
+        const __m512 sn = load16(cos_sin, cs_at + half + i, is_bf16);
+        for (int64_t hd = 0; hd < heads; hd++) {
+            const int64_t at = hd * dim + i;
+            __m512 x1 = load16(x, x_at + at, x_is_bf16), x2 = load16(x, x_at + at + half, x_is_bf16);
+            rotate16(&x1, &x2, c, sn, is_bf16);
+            store16_exact(out, out_at + at, x1, is_bf16);
+            store16_exact(out, out_at + at + half, x2, is_bf16);
+        }
+    }
+}
+#endif
+
 /* act[0:n] = silu(gate) * up, each op's result rounded to the dtype; gate, up fp32 [n].
  * Below a gate of -88 the result is 0 (torch's quotient is x / inf = -0 from about -88.7 on,
  * and under 1e-36 in between): the kernels are built with -ffast-math, whose vector expf

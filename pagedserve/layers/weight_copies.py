@@ -1,6 +1,7 @@
 """Weights copied into another layout for a faster CPU product (oneDNN's blocked layout, the
-panels of ``panel_gemm.h``), made on a weight's first use and kept per weight tensor within the
-packed-copy budget (``cpu_pack_budget.py``). An in-place write to the weight (a reload) bumps
+panels of ``panel_gemm.h``), made on a weight's first use (the panels: at the engine's start-up,
+``CpuPlatform.prepare_weights``) and kept per weight tensor within the packed-copy budget
+(``cpu_pack_budget.py``). An in-place write to the weight (a reload) bumps
 its version counter, and the copy is made again."""
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class WeightCopies:
 
     def __len__(self) -> int:
         return len(self._copies)
+
+    def has(self, weight: torch.Tensor) -> bool:
+        """Whether the weight's copy exists and is current (``get`` would not make one)."""
+        entry = self._copies.get(id(weight))
+        return entry is not None and entry[0]() is weight and entry[1] == weight._version
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The weight's copy, made now if it has none or the weight changed since; None while

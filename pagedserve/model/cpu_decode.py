@@ -214,7 +214,8 @@ class CpuDecodeForward:
 
     def _pack_panels(self) -> list[list[torch.Tensor | None]]:
         """Every layer's panel weights, each where it fits the packed-copy budget (the others
-        read the plain weight)."""
+        read the plain weight): in an engine, the copies its start-up made
+        (``CpuPlatform.prepare_weights``); made here where none were."""
         return [[panel_copies().get(w) if panel_packable(w) else None
                  for w in _panel_weights(layer)] for layer in self.layers]
 

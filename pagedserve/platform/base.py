@@ -120,6 +120,11 @@ class Platform(abc.ABC):
         model's forward (or the compiled one) serves every step."""
 
     @abc.abstractmethod
+    def prepare_weights(self, model: torch.nn.Module, max_num_reqs: int) -> None:
+        """Start-up work on the loaded weights that steps of up to ``max_num_reqs`` requests
+        would otherwise do on their first use (the CPU's packed copies)."""
+
+    @abc.abstractmethod
     def native_bf16(self) -> bool:
         """bf16 matmuls run natively: the dtype ``auto`` resolves to bf16."""
 

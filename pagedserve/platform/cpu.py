@@ -92,6 +92,18 @@ class CpuPlatform(Platform):
         declared = getattr(model, "cpu_decode_forward", None)  # a model capability
         return None if declared is None else declared()
 
+    def prepare_weights(self, model: torch.nn.Module, max_num_reqs: int) -> None:
+        """The panel copies (``layers/panel_pack.py``) that batches of ``PANEL_MIN_ROWS``
+        requests or more multiply on, the C decode step's weights and the LM head among them:
+        made here, within the packed-copy budget, so that a user's first such batch does not
+        wait for them. Below that many requests no decode step or LM head reads panels (a
+        prompt chunk of a few rows still makes its layers' copies on first use)."""
+        from pagedserve.layers.cpu_gemv import pack_panels
+        from pagedserve.layers.panel_pack import PANEL_MIN_ROWS
+
+        if max_num_reqs >= PANEL_MIN_ROWS:
+            pack_panels(model)
+
     def native_bf16(self) -> bool:
         return cpu_has_fast_bf16()
 

@@ -75,6 +75,10 @@ class CudaPlatform(Platform):
         (``model.one_token_forward``, chosen by the runner), eager runs the torch layers."""
         return None
 
+    def prepare_weights(self, model: torch.nn.Module, max_num_reqs: int) -> None:
+        """Nothing: the card's products read the weights as loaded."""
+        return None
+
     def native_bf16(self) -> bool:
         return True
 

@@ -161,6 +161,8 @@ class ModelRunner:
             self.forward_fn = self.compiled_forward
         elif compilation.one_token_step == "gemv":  # eager: decode steps on the device's code
             self.forward_fn = self.platform.decode_forward(self.model) or self.model
+        # After the KV budget above was decided: the copies it makes are not the cache's.
+        self.platform.prepare_weights(self.model, self.max_num_reqs)
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
         """The model's own forward for one-token steps of a compiled forward, where configured

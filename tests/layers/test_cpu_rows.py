@@ -82,10 +82,11 @@ def test_silu_and_mul_of_gates_far_from_zero(dtype: torch.dtype, scale: float) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_rope_and_kv_write(dtype: torch.dtype, block_size: int) -> None:
+@pytest.mark.parametrize("d", [32, 64, 24])  # the 16-lane pass: one, two vectors; a half of 12
+def test_rope_and_kv_write(dtype: torch.dtype, block_size: int, d: int) -> None:
     """Slots across block boundaries, in any order; -1 writes nothing; q/k/v split from one
     qkv row as the attention layer hands them over."""
-    m, hq, hkv, d = 23, 4, 2, 32
+    m, hq, hkv = 23, 4, 2
     num_blocks = 48 // block_size + 1
     qkv = torch.randn(m, (hq + 2 * hkv) * d).to(dtype)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)

@@ -25,6 +25,15 @@ def test_a_copy_is_made_once_and_again_after_an_in_place_write() -> None:
     assert len(cache) == 1
 
 
+def test_has_tells_whether_get_would_make_a_copy() -> None:
+    cache, w = copies(), torch.randn(8, 32)
+    assert not cache.has(w)
+    cache.get(w)
+    assert cache.has(w)
+    w.add_(1)  # an in-place write: the copy is stale
+    assert not cache.has(w)
+
+
 def test_a_dead_weight_takes_its_copy_and_its_bytes_along() -> None:
     cache = copies(budget_bytes=8 * 32 * 4)  # room for one [8, 32] fp32 copy
     w1, w2 = torch.randn(8, 32), torch.randn(8, 32)
