@@ -52,16 +52,6 @@ ALWAYS_INLINE __m512 rnd16(__m512 x, const int is_bf16) {
     return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* 16 fp32 stored at base[i:] in the model's dtype, rounded as rnd16. */
-ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int is_bf16) {
-    if (!is_bf16) {
-        _mm512_storeu_ps((float *)base + i, x);
-        return;
-    }
-    const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(rnd16(x, 1)), 16);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(top));
-}
-
 /* 16 fp32 that hold values of the model's dtype already (rnd16's results) stored at base[i:]:
  * bf16 as their top halves, with no rounding left to do. */
 ALWAYS_INLINE void store16_exact(void *base, int64_t i, __m512 x, const int is_bf16) {
@@ -71,6 +61,16 @@ ALWAYS_INLINE void store16_exact(void *base, int64_t i, __m512 x, const int is_b
     }
     const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
     _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), _mm512_cvtepi32_epi16(top));
+}
+
+/* 16 fp32 stored at base[i:] in the model's dtype, rounded as rnd16. */
+ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int is_bf16) {
+    store16_exact(base, i, rnd16(x, is_bf16), is_bf16);
+}
+
+/* The lanes of a 16-lane step with `left` values left: all 16, or the first `left`. */
+ALWAYS_INLINE __mmask16 lanes_left(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 #endif
 

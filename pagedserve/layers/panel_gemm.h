@@ -96,8 +96,8 @@ ALWAYS_INLINE void panel_store(const __m512 acc[PANEL_ROWS][PANEL_GROUP], const 
                                float *y, int64_t col, int64_t n, int is_bf16, const int R,
                                const int G) {
     for (int g = 0; g < G; g++) {
-        const int64_t c = col + g * PANEL_COLS, left = n - c;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        const int64_t c = col + g * PANEL_COLS;
+        const __mmask16 mask = lanes_left(n - c);
         __m512 b = _mm512_setzero_ps();
         if (bias != NULL)
             b = is_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(

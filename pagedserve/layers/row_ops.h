@@ -140,7 +140,7 @@ ALWAYS_INLINE __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* silu_mul of 16 lanes (see silu_mul). */
+/* silu_mul_tail's arithmetic on 16 lanes (its comment says why the clamp at 88). */
 ALWAYS_INLINE __m512 silu_mul16(__m512 gate, __m512 up, const int is_bf16) {
     const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gate);
     const __m512 e = exp16(_mm512_min_ps(neg, _mm512_set1_ps(88.0f)));

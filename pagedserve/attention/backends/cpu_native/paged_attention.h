@@ -90,11 +90,6 @@ ALWAYS_INLINE void widened_scores(const Work *w, const int32_t *table, int64_t s
 }
 
 #if defined(__AVX512F__)
-/* The lanes of a 16-lane step with `left` values left: all 16, or the first `left`. */
-ALWAYS_INLINE __mmask16 lanes_left(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
 /* One row of n scores -> its softmax, in place, 16 lanes at a time (the last step masked; its
  * idle lanes hold the max, so exp16 sees only arguments <= 0): e^(s - max) by row_ops.h's
  * exp16, inline, where the library's vector expf was a call per 16 lanes plus a scalar tail. */
@@ -303,7 +298,7 @@ ALWAYS_INLINE void span_scores(const Work *w, const int32_t *table, int64_t seq_
                              : block_ahead(w, w->value_cache, table, past, seq_len, is_bf16);
         }
         const Span s = span_at(w, table, t0, seq_len);
-        const __mmask16 lanes = (__mmask16)((1u << s.n) - 1);
+        const __mmask16 lanes = lanes_left(s.n);
         for (int64_t h = 0; h < w->num_heads; h++) {
             prefetch_part(w, ahead, h, w->num_heads, is_bf16);
             const char *key = (const char *)w->key_cache + (s.at + (h / group) * dim) * kelem;
