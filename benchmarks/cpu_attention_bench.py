@@ -86,6 +86,13 @@ def decode_seq_lens(args: argparse.Namespace) -> tuple[int, int, torch.Tensor]:
     return low, high, torch.randint(low, high + 1, (args.requests,), dtype=torch.int32)
 
 
+def print_timings(sources: list[Path], times: list[list[float]], unit: str) -> None:
+    """Each source's min and median of its times (seconds), as ms ``unit``."""
+    for source, spent in zip(sources, times, strict=True):
+        print(f"  {source}: min {min(spent) * 1e3:.2f} ms, median "
+              f"{statistics.median(spent) * 1e3:.2f} ms{unit}")
+
+
 def start_timing(args: argparse.Namespace) -> torch.dtype:
     """Threads and seed as the options say; the dtype they name."""
     torch.set_num_threads(args.threads)

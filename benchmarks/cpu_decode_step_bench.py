@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -34,6 +33,7 @@ from cpu_attention_bench import (
     alternate_timings,
     decode_seq_lens,
     paged_caches,
+    print_timings,
     start_timing,
 )
 
@@ -97,9 +97,7 @@ def main() -> None:
     times = alternate_timings(steps, step, args.reps)
     print(f"{args.requests} request(s) at context {low}..{high}, {args.layers} layers, "
           f"{args.dtype}, {args.threads} thread(s):")
-    for source, spent in zip(sources, times, strict=True):
-        print(f"  {source}: min {min(spent) * 1e3:.2f} ms, median "
-              f"{statistics.median(spent) * 1e3:.2f} ms a step")
+    print_timings(sources, times, " a step")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 
 import torch
 from cpu_attention_bench import (
@@ -27,6 +26,7 @@ from cpu_attention_bench import (
     KV_HEADS,
     add_timing_arguments,
     alternate_timings,
+    print_timings,
     start_timing,
 )
 
@@ -71,9 +71,7 @@ def main() -> None:
 
     times = alternate_timings(libs, step, args.reps)
     print(f"{args.rows} rows, {args.layers} layers, {args.dtype}, {args.threads} thread(s):")
-    for source, spent in zip(sources, times, strict=True):
-        print(f"  {source}: min {min(spent) * 1e3:.2f} ms, median "
-              f"{statistics.median(spent) * 1e3:.2f} ms")
+    print_timings(sources, times, "")
 
 
 if __name__ == "__main__":
