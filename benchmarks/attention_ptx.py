@@ -4,8 +4,7 @@ each launch reads its tiles, counted in the PTX.
     TRITON_INTERPRET=0 python benchmarks/attention_ptx.py [--kv-cache-dtype fp8|auto]
         [--kernel decode|prefill] [--json]
 
-For each launch in ``LAUNCHES`` (and, over an FP8 cache, each again with
-``widen_in_registers``) prints the shared-memory instructions of one compiled kernel at
+For each launch in ``LAUNCHES`` prints the shared-memory instructions of one compiled kernel at
 Llama-3-8B's attention shape (32 query / 8 KV heads of 128, bf16 queries, 16-token blocks;
 ``pagedserve/kernels/attention_ptx.py``): byte loads (``ld.shared.b8``, an FP8 operand read
 back one element at a time), other ``ld.shared``, ``st.shared``, ``ldmatrix`` (16-bit operands,
@@ -19,7 +18,6 @@ launch instead of the table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
@@ -44,17 +42,15 @@ def main() -> None:
     args = parser.parse_args()
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     launches = LAUNCHES[args.kernel]
-    if cache_dtype == torch.float8_e4m3fn:
-        launches += [dataclasses.replace(x, widen_in_registers=True) for x in launches]
     if not args.json:
-        print("tile_n warps stages block_m widen | " + " ".join(PATTERNS) + " smem")
+        print("tile_n warps stages block_m | " + " ".join(PATTERNS) + " smem")
     for launch in launches:
         counts = ptx_counts(compile_attention(args.kernel, cache_dtype, launch))
         if args.json:
             print(json.dumps({"launch": vars(launch), **counts}), flush=True)
             continue
         print(f"{launch.tile(HEAD_DIM):6} {launch.num_warps:5} {launch.num_stages:6} "
-              f"{launch.block_m or '-':>7} {launch.widen_in_registers!s:>5} | "
+              f"{launch.block_m or '-':>7} | "
               + " ".join(f"{counts[c]:{len(c)}}" for c in PATTERNS) + f" {counts['smem']}",
               flush=True)
 

@@ -9,9 +9,7 @@ of 1024 tokens, one step of 1000 x 1000/1000's prefill; p4x2048: one of 1000 x 2
 and p1x16384: long prompts), bf16 paged KV cache (FP8 with ``--kv-cache-dtype fp8``; ``--block-
 size``, default 16, shuffled block tables), 32 query / 8 KV heads of 128. Decode: the varlen kernel
 (splits 0 below) and the split-KV kernel at 1, 2 and 4 splits, every key-tile size, warp count and
-pipeline depth listed below (over an FP8 cache each also widening its tiles in registers:
-``KeyLoopLaunch.widen_in_registers``), as KV bytes read per second against the card's copy
-bandwidth.
+pipeline depth listed below, as KV bytes read per second against the card's copy bandwidth.
 Prefill: the varlen kernel with query tiles of 64 and 128 rows, as causal attention FLOPs per
 second against the bf16 matmul peak. Each: median of 15 replays of a CUDA graph of 10 launches.
 Writes ``attention_sweep.json`` and ``best.json`` (the fastest shape per scenario). The launches
@@ -22,7 +20,6 @@ the engine uses (``attention/backends/triton.py``: ``SPLIT_KV_LAUNCH``, ``FEW_PA
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -98,9 +95,9 @@ class Variant:
         return {"splits": self.splits, "launch": self.launch.__dict__}
 
 
-def decode_variants(cache_dtype: torch.dtype) -> list[Variant]:
+def decode_variants() -> list[Variant]:
     """The varlen kernel's default, then the split-KV kernel at 1, 2 and 4 segments with each
-    launch below; over an FP8 cache each launch also widening its tiles in registers."""
+    launch below."""
     out = [Variant(0, DEFAULT_LAUNCH)]  # at head_dim 128: 64-key tiles, 4 warps, 3 stages
     launches = [KeyLoopLaunch(t, w, s) for t, w, s in
                 ((64, 4, 3), (64, 4, 2), (128, 4, 3), (128, 4, 2), (128, 4, 4), (128, 8, 3),
@@ -108,8 +105,6 @@ def decode_variants(cache_dtype: torch.dtype) -> list[Variant]:
                  (64, 4, 1), (128, 4, 1), (128, 8, 1))]
     # 5 stages: the first depth with 2 K/V buffers; 256-key tiles: for an FP8 cache; 1 stage:
     # loads without asynchronous copies
-    if cache_dtype == torch.float8_e4m3fn:
-        launches += [dataclasses.replace(launch, widen_in_registers=True) for launch in launches]
     return [*out, *(Variant(n, launch) for n, launch in itertools.product((1, 2, 4), launches))]
 
 
@@ -162,7 +157,7 @@ def main() -> None:
             num_reqs, context = DECODE[name]
             b = paged_batch(num_reqs, 1, context, args.block_size, cache_dtype)
             work, ceiling, variants = (int(b["seq_lens"].sum()) * KV_HEADS * HEAD_DIM * 2 * cache_bytes,
-                                       COPY_BANDWIDTH, decode_variants(cache_dtype))
+                                       COPY_BANDWIDTH, decode_variants())
         else:  # compute-bound: causal QK^T and PV FLOPs against the matmul peak
             num_reqs, context = PREFILL[name]
             b = paged_batch(num_reqs, context, context, args.block_size, cache_dtype)

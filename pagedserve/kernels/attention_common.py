@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.fp8_rows import saturate_to_fp8
-from pagedserve.kernels.interpreter_compat import INTERPRETING, REGISTER_FENCE
+from pagedserve.kernels.interpreter_compat import INTERPRETING
 
 LOG2_E = 1.4426950408889634
 FP8_KV_DTYPE = torch.float8_e4m3fn
@@ -54,31 +54,6 @@ def cache_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tupl
     if kv_cache.dtype == FP8_KV_DTYPE:
         return k_scale, v_scale
     return 1.0, 1.0
-
-
-@triton.jit
-def widen(
-    tile,  # a key or value tile as loaded from the cache
-    DOT_DTYPE: tl.constexpr,
-    IN_REGISTERS: tl.constexpr,  # an FP8 tile is widened before it is staged for the dot
-):
-    """``tile`` in the dot's dtype.
-
-    Triton stages a loaded tile in shared memory for the dot and, by default, moves a widening
-    cast after the staging, so that fewer bytes are staged. For an FP8 tile feeding the 16-row
-    ``mma`` of a decode program, the operand is then read back from shared memory a byte at a
-    time (the values' operand is transposed, and ``ldmatrix`` reads only 16-bit elements).
-    With ``IN_REGISTERS`` the fp16 tile passes through ``REGISTER_FENCE``, so that the cast
-    stays where the tile was loaded and the staged fp16 tile is read with ``ldmatrix``, as a
-    16-bit cache's is. Prefill programs (128-row ``wgmma`` tiles) widen in registers either
-    way.
-    """
-    wide = tile.to(DOT_DTYPE)
-    if IN_REGISTERS and tile.dtype == tl.float8e4nv and DOT_DTYPE == tl.float16:
-        wide = tl.inline_asm_elementwise(
-            REGISTER_FENCE, "=r,r", [wide], dtype=tl.float16, is_pure=False, pack=2
-        )
-    return wide
 
 
 @triton.jit
@@ -125,7 +100,6 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr,
     P_DTYPE: tl.constexpr,  # gpu_dot_dtype: the probabilities are rounded to it
     MASKED: tl.constexpr,  # False: every key of every tile exists and every row sees it
-    WIDEN_IN_REGISTERS: tl.constexpr,  # ``widen``
 ):
     """Online-softmax steps over the key tiles ``[t, t + TILE_N)`` for ``t`` from
     ``loop_start`` below ``loop_end``; returns (acc, m_i, l_i)."""
@@ -148,7 +122,7 @@ def _attend_tiles(
             v_mask = d_mask[None, :]
         # K^T tile [HEAD_DIM_PAD, TILE_N] and V tile [TILE_N, HEAD_DIM_PAD]
         k = tl.load(kc_head_ptr + k_row[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
-        s = tl.dot(q, widen(k, DOT_DTYPE, WIDEN_IN_REGISTERS), input_precision=DOT_PRECISION)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         s = s * qk_scale
         if MASKED:
             seen = key_mask[None, :] & (key_pos[None, :] <= q_pos[:, None])
@@ -160,7 +134,7 @@ def _attend_tiles(
         v = tl.load(vc_head_ptr + v_row[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
         # p is rounded to the dtype the GPU multiplies in (a no-op cast there).
         p = p.to(P_DTYPE).to(DOT_DTYPE)
-        v = widen(v, DOT_DTYPE, WIDEN_IN_REGISTERS)
+        v = v.to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -194,7 +168,6 @@ def attend_kv_range(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     P_DTYPE: tl.constexpr,
-    WIDEN_IN_REGISTERS: tl.constexpr,  # ``widen``
 ):
     """Fold keys ``[kv_start, kv_end)`` of one request and one kv head into (acc, m_i, l_i).
 
@@ -213,14 +186,12 @@ def attend_kv_range(
         kv_start, full_end, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE, False,
-        WIDEN_IN_REGISTERS,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, kc_head_ptr, vc_head_ptr, block_table_row_ptr,
         full_end, kv_end, kv_end, qk_scale,
         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE, True,
-        WIDEN_IN_REGISTERS,
     )  # fmt: skip
     return acc, m_i, l_i
 

@@ -78,7 +78,6 @@ def compile_attention(kind: str, cache_dtype: torch.dtype, launch: KeyLoopLaunch
         GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK,
         TILE_N=launch.tile(HEAD_DIM), DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=dot_dtype,
-        WIDEN_IN_REGISTERS=launch.widen_in_registers,
     )  # fmt: skip
     if kind == "decode":
         constants.update(NUM_HEADS=HEADS, BLOCK_M=16)

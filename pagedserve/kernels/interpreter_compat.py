@@ -14,8 +14,6 @@ cast round to nearest even, through torch (other casts, integers to bf16 among t
 the interpreter does them). Its fp32 -> float8e4nv cast flushes e4m3's subnormals (below
 2**-6) toward zero where the GPU rounds them to nearest even; ``apply`` casts those through
 torch too, so the FP8 KV-cache write is byte-equal to the torch reference on the CPU.
-
-The interpreter runs no inline assembly; ``apply`` lets it run ``REGISTER_FENCE``, an identity.
 """
 
 from __future__ import annotations
@@ -29,10 +27,6 @@ import triton.runtime.interpreter as interpreter
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 """Kernels run under the CPU interpreter (read once, as triton does)."""
-REGISTER_FENCE = tl.constexpr("mov.b32 $0, $1;")
-"""Inline PTX for ``tl.inline_asm_elementwise``: an identity on 32 bits that the compiler may
-not move when it is declared to have side effects, so an operation before it stays before it
-(``attention_common.widen``)."""
 _FIXED = "_pagedserve_fixed"
 """Marks an interpreter function already replaced, so that ``apply`` is idempotent."""
 
@@ -48,7 +42,6 @@ def _numpy_rejects_1d_scalars() -> bool:
 def apply() -> None:
     _round_casts_to_nearest()
     _squeeze_index_scalars()
-    _run_register_fence()
 
 
 def _cast_through_torch(src, dtype: torch.dtype, bits: torch.dtype, dst_type):  # noqa: ANN001, ANN202
@@ -92,29 +85,3 @@ def _squeeze_index_scalars() -> None:
 
     setattr(patch_lang_tensor, _FIXED, True)
     interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-class _AsmResults:
-    """What the builder's ``create_inline_asm`` returns: the results by index."""
-
-    def __init__(self, results: list) -> None:
-        self.results = results
-
-    def get_result(self, index: int):  # noqa: ANN201
-        return self.results[index]
-
-
-def _run_register_fence() -> None:
-    """``REGISTER_FENCE`` as the identity it is; any other inline assembly still raises."""
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_inline_asm
-    if getattr(original, _FIXED, False):
-        return
-
-    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):  # noqa: ANN001, ANN202
-        if asm == REGISTER_FENCE.value and len(values) == 1:
-            return _AsmResults([values[0]])
-        return original(self, asm, constraints, values, types, is_pure, pack)
-
-    setattr(create_inline_asm, _FIXED, True)
-    builder.create_inline_asm = create_inline_asm

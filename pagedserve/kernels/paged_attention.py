@@ -85,7 +85,6 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     P_DTYPE: tl.constexpr,
-    WIDEN_IN_REGISTERS: tl.constexpr,  # attention_common.widen
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     q_block_global = tl.program_id(0)
@@ -121,7 +120,6 @@ def _paged_attention_kernel(
         stride_kc_block, stride_kc_off, stride_kc_head,
         stride_vc_block, stride_vc_off, stride_vc_head,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE,
-        WIDEN_IN_REGISTERS,
     )  # fmt: skip
     acc = scale_values(acc, v_scale, value_cache_ptr)
     # A row that saw no key (only under malformed metadata: seq_len < query_len) writes 0, not NaN.
@@ -148,15 +146,12 @@ class KeyLoopLaunch:
     """How a paged-attention kernel walks the keys: keys per tile (None: ``key_tile_size``),
     warps per program, Triton's software-pipelining depth, for the varlen kernel the query-tile
     rows (None: ``choose_block_m``; a power of two >= 16 holding whole GQA groups; the split-KV
-    kernel ignores it), and whether an FP8 cache's tiles are widened where they are loaded
-    rather than after they are staged (``attention_common.widen``; no effect on other
-    caches)."""
+    kernel ignores it)."""
 
     tile_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
     block_m: int | None = None
-    widen_in_registers: bool = False
 
     def tile(self, head_dim_pad: int) -> int:
         return self.tile_n or key_tile_size(head_dim_pad)
@@ -217,6 +212,5 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=block_m, TILE_N=launch.tile(head_dim_pad),
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=gpu_dot_dtype(query, kv_cache),
-        WIDEN_IN_REGISTERS=launch.widen_in_registers,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip

@@ -82,7 +82,6 @@ def _split_kv_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     P_DTYPE: tl.constexpr,
-    WIDEN_IN_REGISTERS: tl.constexpr,  # attention_common.widen
 ):
     """One program per item (request, kv head, segment), segment fastest: the decode row of
     every q head of the kv head against the segment's keys. It writes the normalized output when
@@ -121,7 +120,6 @@ def _split_kv_kernel(
             stride_kc_block, stride_kc_off, stride_kc_head,
             stride_vc_block, stride_vc_off, stride_vc_head,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, DOT_DTYPE, DOT_PRECISION, P_DTYPE,
-            WIDEN_IN_REGISTERS,
         )  # fmt: skip
         acc = scale_values(acc, v_scale, value_cache_ptr)
         if num_splits == 1:
@@ -228,7 +226,6 @@ def paged_attention_split_kv(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_M=max(_MIN_DOT, triton.next_power_of_2(group)),
         TILE_N=tile_n,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision(dot_dtype), P_DTYPE=gpu_dot_dtype(query, kv_cache),
-        WIDEN_IN_REGISTERS=launch.widen_in_registers,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits == 1:

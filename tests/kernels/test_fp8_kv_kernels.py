@@ -16,8 +16,6 @@ from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.backends.triton import TritonBackend
 from pagedserve.attention.kv_quant import kv_from_cache, to_cache
 from pagedserve.kernels import gemv
-from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
-from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 from pagedserve.kernels.rope_kv_write import rope_and_write_kv
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.rotary import get_rope
@@ -117,28 +115,3 @@ def test_gemv_qkv_writes_keys_and_values_into_an_fp8_cache() -> None:
         torch.testing.assert_close(got, want.float().cpu(), rtol=3 * FP8_STEP,
                                    atol=0.02 * want.float().abs().max().item())
     assert stored[:, [s for s in range(16) if s != 9]].abs().max() == 0
-
-
-@pytest.mark.parametrize("num_splits", [0, 1, 3])  # 0: the varlen kernel
-def test_fp8_tiles_widened_in_registers_give_the_same_output(num_splits: int) -> None:
-    """``widen_in_registers`` moves where an FP8 tile is widened, not what it becomes."""
-    batch = make_paged_batch([1, 1, 1], [37, 90, 5], 8, 2, 64, 8, torch.bfloat16)
-    write_step_kv(batch)
-    on_device = batch_on(batch, DEVICE)
-    cache = _quantized(on_device.kv_cache.nan_to_num(SENTINEL))
-    meta = on_device.metadata
-    outputs = []
-    for widen in (False, True):
-        launch = KeyLoopLaunch(tile_n=32, num_stages=2, widen_in_registers=widen)
-        out = torch.full_like(on_device.query, SENTINEL)
-        if num_splits == 0:
-            paged_attention(on_device.query, cache, meta.block_table, meta.query_start_loc,
-                            meta.seq_lens, meta.num_reqs, meta.num_actual_tokens,
-                            meta.max_query_len, 64**-0.5, out, launch, SCALES.k, SCALES.v)
-        else:
-            paged_attention_split_kv(on_device.query, cache, meta.block_table,
-                                     meta.query_start_loc, meta.seq_lens, meta.num_reqs,
-                                     64**-0.5, out, num_splits, launch, SCALES.k, SCALES.v)
-        outputs.append(out[: meta.num_actual_tokens].cpu())
-    assert outputs[0].abs().sum() > 0
-    assert torch.equal(outputs[0], outputs[1])
