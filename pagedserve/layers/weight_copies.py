@@ -32,16 +32,15 @@ class WeightCopies:
 
     def has(self, weight: torch.Tensor) -> bool:
         """Whether the weight's copy exists and is current (``get`` would not make one)."""
-        entry = self._copies.get(id(weight))
-        return entry is not None and entry[0]() is weight and entry[1] == weight._version
+        return self._current(weight) is not None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The weight's copy, made now if it has none or the weight changed since; None while
         the budget has no room for it."""
+        current = self._current(weight)
+        if current is not None:
+            return current
         key = id(weight)
-        entry = self._copies.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-            return entry[2]
         self._forget(key)
         nbytes = weight.numel() * weight.element_size()
         if not self.budget.take(nbytes, f"a [{weight.shape[0]}, {weight.shape[1]}] {self.what}"):
@@ -50,6 +49,13 @@ class WeightCopies:
         self._copies[key] = (weakref.ref(weight, lambda _: self._forget(key)),
                              weight._version, copy, nbytes)
         return copy
+
+    def _current(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight's copy if it was made from this tensor at its present version."""
+        entry = self._copies.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        return None
 
     def _forget(self, key: int) -> None:
         entry = self._copies.pop(key, None)
