@@ -15,7 +15,6 @@ from paged_kv_cases import SENTINEL, dense_causal_attention, make_paged_batch
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 from pagedserve.attention.backends.triton import (
     FEW_PAIRS_LAUNCH,
-    FP8_DECODE_LAUNCH,
     PREFILL_LAUNCH,
     SPLIT_KV_LAUNCH,
     TritonBackend,
@@ -137,8 +136,8 @@ def test_decode_launch(num_splits: int, num_pairs: int, expected) -> None:
 
 @pytest.mark.parametrize("num_splits,num_pairs", [(2, 8), (1, 2048), (1, 512)])
 def test_an_fp8_cache_decodes_with_128_key_tiles(num_splits: int, num_pairs: int) -> None:
-    assert decode_launch(num_splits, num_pairs, 528, torch.float8_e4m3fn) is FP8_DECODE_LAUNCH
-    assert FP8_DECODE_LAUNCH.tile_n == 128
+    assert decode_launch(num_splits, num_pairs, 528, torch.float8_e4m3fn) is SPLIT_KV_LAUNCH
+    assert SPLIT_KV_LAUNCH.tile_n == 128
 
 
 def test_an_fp8_cache_prefills_with_128_row_query_tiles() -> None:

@@ -24,11 +24,10 @@ _PROGRAMS_PER_SM = 4
 # it is split or its (request, kv head) pairs exceed the target programs, with 64-key tiles
 # when one segment per pair leaves SMs short of programs (then shorter tiles keep more
 # programs in flight). Over an FP8 cache a 128-key tile holds the bytes of a 64-key one in
-# bf16, and it is the faster tile at every batch (FP8_DECODE_LAUNCH). Batches with prefill rows run the varlen
+# bf16, and it is the faster tile at every batch. Batches with prefill rows run the varlen
 # kernel; over an FP8 cache with 128-row query tiles, which widen each key tile once for twice
 # the rows.
 SPLIT_KV_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
-FP8_DECODE_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
 FEW_PAIRS_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=2)
 PREFILL_LAUNCH = KeyLoopLaunch(num_stages=2)
 FP8_PREFILL_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=3, block_m=128)
@@ -65,9 +64,7 @@ def decode_launch(
 ) -> KeyLoopLaunch:
     """The split-KV kernel's key loop for a decode batch of ``num_pairs`` (request, kv head)
     pairs cut into ``num_splits`` segments each, over a cache of ``cache_dtype``."""
-    if cache_dtype == FP8_KV_DTYPE:
-        return FP8_DECODE_LAUNCH
-    if num_splits > 1 or num_pairs > target_programs:
+    if num_splits > 1 or num_pairs > target_programs or cache_dtype == FP8_KV_DTYPE:
         return SPLIT_KV_LAUNCH
     return FEW_PAIRS_LAUNCH
 
