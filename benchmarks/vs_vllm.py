@@ -1,7 +1,8 @@
 """pagedserve and vLLM on the same workloads on one machine, each figure beside the other's.
 
 ``python benchmarks/vs_vllm.py run --out DIR --peer PEER [--engines pagedserve,vllm]
-[--workloads b1,b64,t1000,t2048,cold] [--max-num-seqs 256,1024] [--num-prompts N] [--plan]``
+[--workloads b1,b64,t1000,t2048,cold] [--max-num-seqs 256,1024] [--num-prompts N]
+[--quantization fp8] [--kv-cache-dtype fp8] [--plan]``
 
 - vLLM: ``PEER/bench_vllm.py`` (PEER: the payload ``../shared/peers/vllm/prepare.sh`` builds,
   default ``.peer-vllm``, installed by its ``install.sh``)
@@ -10,7 +11,8 @@
   ``throughput``), in one subprocess per ``--max-num-seqs`` value (one engine start runs that
   value's workloads).
 - Same settings on both sides: the Llama-3-8B shape from ``PEER/llama3-8b`` with dummy bf16
-  weights, ``max_model_len`` 4096, ``gpu_memory_utilization`` 0.9, seed 0, random token-id
+  weights (FP8 weights quantized at load with ``--quantization fp8``, an FP8 KV cache with
+  ``--kv-cache-dtype fp8``: vLLM gets the same two ``LLM(...)`` arguments), ``max_model_len`` 4096, ``gpu_memory_utilization`` 0.9, seed 0, random token-id
   prompts; ``b1`` / ``b64``: decode step at batch 1 / 64, 1024-token prompts, greedy, step =
   (t(128 out) - t(1 out)) / 127; ``t1000``: N x 1000 in / 1000 out and ``t2048``: N x 2048 in /
   128 out, temperature 1.0, each at every ``--max-num-seqs`` value (the step workloads at the
@@ -116,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--first-only", type=comma_list(str), default=[],
                      help="throughput workloads to run at the first --max-num-seqs value only "
                      "(as the step workloads are), to fit a device call")
+    add_precision_arguments(run)
     run.add_argument("--vllm-pythonpath", default="/tmp/site:/tmp/vllm-pkg")
     run.add_argument("--timeout", type=float, default=590, help="seconds per subprocess")
     run.add_argument("--plan", action="store_true", help="print the runs and estimates only")
@@ -126,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     child.add_argument("--workloads", type=comma_list(str), required=True)
     child.add_argument("--max-num-seqs", type=int, required=True)
     child.add_argument("--num-prompts", type=int, default=None)
+    add_precision_arguments(child)
     args = parser.parse_args(argv)
     for name in getattr(args, "workloads", []):
         if name not in [*WORKLOADS, "cold"]:
@@ -137,6 +141,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name not in ENGINES:
             parser.error(f"--engines: {name!r} is not one of {', '.join(ENGINES)}")
     return args
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="FP8 weights, quantized at load (both engines)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: an FP8 (e4m3) KV cache (both engines)")
+
+
+def precision(args: argparse.Namespace) -> str:
+    """The table's name for the weights and KV cache of a run: ``bf16`` or e.g. ``fp8 weights
+    + fp8 KV``."""
+    parts = [f"{args.quantization} weights"] if args.quantization else []
+    parts += [f"{args.kv_cache_dtype} KV"] if args.kv_cache_dtype != "auto" else []
+    return " + ".join(parts) or "bf16"
 
 
 def plan(args: argparse.Namespace) -> list[Run]:
@@ -195,11 +214,38 @@ def command(run: Run, args: argparse.Namespace) -> tuple[list[str], dict[str, st
     if run.engine == "pagedserve":
         return ([sys.executable, str(Path(__file__).resolve()), "child", "--model", model,
                  "--workloads", ",".join(run.workloads), "--max-num-seqs",
-                 str(run.max_num_seqs), *prompts], {})
+                 str(run.max_num_seqs), *prompts, *precision_flags(args)], {})
     name = WORKLOADS[run.workloads[0]].peer_name if run.workloads else "latency1"
-    return ([sys.executable, str(Path(args.peer) / "bench_vllm.py"), "--model", model,
+    options = vllm_options(args)
+    launcher = ["-c", VLLM_WITH_OPTIONS, json.dumps(options)] if options else []
+    return ([sys.executable, *launcher, str(Path(args.peer) / "bench_vllm.py"), "--model", model,
              "--workload", name, "--max-num-seqs", str(run.max_num_seqs), "--repeats", "2",
              "--no-tqdm", *prompts], {"PYTHONPATH": args.vllm_pythonpath})
+
+
+def precision_flags(args: argparse.Namespace) -> list[str]:
+    quantization = ["--quantization", args.quantization] if args.quantization else []
+    return [*quantization, "--kv-cache-dtype", args.kv_cache_dtype]
+
+
+def vllm_options(args: argparse.Namespace) -> dict[str, str]:
+    """The ``vllm.LLM`` arguments of ``--quantization`` / ``--kv-cache-dtype`` (vLLM names
+    them the same)."""
+    options = {"quantization": args.quantization} if args.quantization else {}
+    return options | ({"kv_cache_dtype": args.kv_cache_dtype}
+                      if args.kv_cache_dtype != "auto" else {})
+
+
+VLLM_WITH_OPTIONS = """\
+import functools, json, runpy, sys
+import vllm
+vllm.LLM = functools.partial(vllm.LLM, **json.loads(sys.argv[1]))
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+"""``python -c`` of this, the options as JSON, then bench_vllm.py and its arguments: the peer's
+script with the options added to its ``LLM(...)`` (it imports ``LLM`` from ``vllm`` when it
+runs, after this has replaced it)."""
 
 
 def vllm_records(run: Run, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -211,6 +257,7 @@ def vllm_records(run: Run, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def record(engine: str, workload: str, seqs: int, value: float, raw: dict) -> dict[str, Any]:
+    """One figure (``run_all`` adds its run's ``precision``; a record without one is bf16)."""
     return {"engine": engine, "workload": workload, "max_num_seqs": seqs, "value": value,
             "unit": unit_of(workload), "raw": raw}
 
@@ -338,6 +385,7 @@ def run_all(args: argparse.Namespace) -> None:
     for i, run in enumerate(runs):
         env = cold_cache_env(caches, run.engine) if "cold" in args.workloads else {}
         for rec in execute(run, args, env):
+            rec["precision"] = precision(args)
             if rec["workload"] == "start":
                 rec["workload"] = "cold" if starts_cold(runs, i, args) else "start"
             with open(out / RESULTS, "a") as f:
@@ -355,7 +403,7 @@ def child(args: argparse.Namespace) -> None:
     engine = ["--model", args.model, "--load-format", "dummy", "--dtype", "bfloat16",
               "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
               "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
-              "--max-num-seqs", str(args.max_num_seqs)]
+              "--max-num-seqs", str(args.max_num_seqs), *precision_flags(args)]
     start = time.perf_counter()  # as bench_vllm.py times LLM(...), after the imports
     llm = make_llm(bench_args(["latency", *engine]))
     run = Run("pagedserve", tuple(args.workloads), args.max_num_seqs)
@@ -398,15 +446,20 @@ def read_records(dirs: list[Path]) -> list[dict[str, Any]]:
     return records
 
 
-def figures(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, float]]:
-    """(workload, max_num_seqs) -> engine -> value; the last record of a key wins (a cold
-    start-up has no --max-num-seqs: 0)."""
-    table: dict[tuple[str, int], dict[str, float]] = {}
+Key = tuple[str, int, str]
+"""(workload, max_num_seqs, precision) of a table row."""
+
+
+def figures(records: list[dict[str, Any]]) -> dict[Key, dict[str, float]]:
+    """Row key -> engine -> value; the last record of a key wins (a cold start-up has no
+    --max-num-seqs: 0)."""
+    table: dict[Key, dict[str, float]] = {}
     for rec in records:
         name, engine = rec["workload"], rec["engine"]
         if name != "error":
             seqs = 0 if name == "cold" else rec["max_num_seqs"]
-            table.setdefault((name, seqs), {})[engine] = float(rec["value"])
+            table.setdefault((name, seqs, rec.get("precision", "bf16")), {})[engine] = float(
+                rec["value"])
     return table
 
 
@@ -420,11 +473,12 @@ def format_table(records: list[dict[str, Any]]) -> str:
     rows = ["| workload | --max-num-seqs | pagedserve | vLLM | pagedserve / vLLM |",
             "|---|---|---|---|---|"]
     table, energy = figures(records), tokens_per_joule(records)
-    for (name, seqs) in sorted(table, key=lambda k: (ORDER.index(k[0]), k[1])):
-        values = table[(name, seqs)]
-        rows.append(table_row(f"{name} ({unit_of(name)})", seqs, values, unit_of(name)))
-        if (name, seqs) in energy:
-            rows.append(table_row(f"{name} (output tok/J)", seqs, energy[(name, seqs)], "tok/J"))
+    for key in sorted(table, key=lambda k: (k[2] != "bf16", k[2], ORDER.index(k[0]), k[1])):
+        name, seqs, kind = key
+        label = name if kind == "bf16" else f"{name}, {kind}"
+        rows.append(table_row(f"{label} ({unit_of(name)})", seqs, table[key], unit_of(name)))
+        if key in energy:
+            rows.append(table_row(f"{label} (output tok/J)", seqs, energy[key], "tok/J"))
     errors = [r for r in records if r["workload"] == "error"]
     rows += [f"error: {r['engine']} {r['raw']}" for r in errors]
     return "\n".join(rows)
@@ -437,13 +491,14 @@ def table_row(label: str, seqs: int, values: dict[str, float], unit: str) -> str
     return f"| {label} | {seqs or '—'} | {fmt(ours)} | {fmt(theirs)} | {ratio} |"
 
 
-def tokens_per_joule(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, float]]:
-    """(workload, max_num_seqs) -> engine -> output tokens per joule, where it was measured."""
-    table: dict[tuple[str, int], dict[str, float]] = {}
+def tokens_per_joule(records: list[dict[str, Any]]) -> dict[Key, dict[str, float]]:
+    """Row key -> engine -> output tokens per joule, where it was measured."""
+    table: dict[Key, dict[str, float]] = {}
     for rec in records:
         value = (rec.get("raw") or {}).get("output_tok_per_j")
         if value and rec["workload"] in WORKLOADS:
-            table.setdefault((rec["workload"], rec["max_num_seqs"]), {})[rec["engine"]] = value
+            key = (rec["workload"], rec["max_num_seqs"], rec.get("precision", "bf16"))
+            table.setdefault(key, {})[rec["engine"]] = value
     return table
 
 

@@ -120,3 +120,59 @@ def test_table_gives_tokens_per_joule_beside_throughput(vs: ModuleType) -> None:
     theirs = vs.record("vllm", "t1000", 256, 9563.0, {"output_tok_per_j": 12.5})
     lines = vs.format_table([ours, theirs]).splitlines()
     assert "| t1000 (output tok/J) | 256 | 14.00 | 12.50 | 1.12x |" in lines
+
+
+FAKE_VLLM = '''
+class LLM:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+'''
+
+FAKE_PEER_CALLING_LLM = '''
+import json, sys
+def run():
+    from vllm import LLM
+    llm = LLM(model=sys.argv[sys.argv.index("--model") + 1], dtype="bfloat16")
+    print(json.dumps({"startup_s": 1.0, "output_tokens_per_s": 100.0, "kwargs": llm.kwargs}))
+if __name__ == "__main__":
+    run()
+'''
+
+
+def test_fp8_options_reach_both_engines(vs: ModuleType, tmp_path: Path, capsys) -> None:
+    args = vs.parse_args(["run", "--out", "o", "--quantization", "fp8",
+                          "--kv-cache-dtype", "fp8"])
+    assert vs.precision(args) == "fp8 weights + fp8 KV"
+    assert vs.precision(vs.parse_args(["run", "--out", "o"])) == "bf16"
+    ours, _ = vs.command(vs.Run("pagedserve", ("t1000",), 1024), args)
+    assert ours[-4:] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    child = vs.parse_args(ours[ours.index("child"):])
+    assert (child.quantization, child.kv_cache_dtype) == ("fp8", "fp8")
+    with pytest.raises(SystemExit):
+        vs.parse_args(["run", "--out", "o", "--quantization", "int4"])
+
+    site, peer = tmp_path / "site", tmp_path / "peer"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (peer / "llama3-8b").mkdir(parents=True)
+    (peer / "bench_vllm.py").write_text(FAKE_PEER_CALLING_LLM)
+    out = tmp_path / "out"
+    vs.main(["run", "--out", str(out), "--peer", str(peer), "--engines", "vllm",
+             "--workloads", "t1000", "--max-num-seqs", "1024", "--vllm-pythonpath", str(site),
+             "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
+    records = [json.loads(line) for line in (out / vs.RESULTS).read_text().splitlines()]
+    assert records[-1]["raw"]["kwargs"] == {"model": str(peer / "llama3-8b"),
+                                            "dtype": "bfloat16", "quantization": "fp8",
+                                            "kv_cache_dtype": "fp8"}
+    assert {r["precision"] for r in records} == {"fp8 weights + fp8 KV"}
+    assert "| t1000, fp8 weights + fp8 KV (output tok/s) | 1024 | — | 100 | — |" in (
+        capsys.readouterr().out)
+
+
+def test_table_keeps_precisions_apart(vs: ModuleType) -> None:
+    bf16 = _rec(vs, "pagedserve", "t1000", 1024, 8000.0)
+    fp8 = {**_rec(vs, "pagedserve", "t1000", 1024, 12000.0), "precision": "fp8 weights"}
+    peer = {**_rec(vs, "vllm", "t1000", 1024, 10000.0), "precision": "fp8 weights"}
+    lines = vs.format_table([fp8, bf16, peer]).splitlines()
+    assert lines[2:] == ["| t1000 (output tok/s) | 1024 | 8,000 | — | — |",
+                         "| t1000, fp8 weights (output tok/s) | 1024 | 12,000 | 10,000 | 1.20x |"]
