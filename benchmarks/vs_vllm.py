@@ -4,15 +4,15 @@
 [--workloads b1,b64,t1000,t2048,cold] [--max-num-seqs 256,1024] [--num-prompts N]
 [--quantization fp8] [--kv-cache-dtype fp8] [--plan]``
 
-- vLLM: ``PEER/bench_vllm.py`` (PEER: the payload ``../shared/peers/vllm/prepare.sh`` builds,
-  default ``.peer-vllm``, installed by its ``install.sh``)
-  runs each workload in its own subprocess, with ``PYTHONPATH`` = ``--vllm-pythonpath``.
+- vLLM: ``peers/vllm/bench_vllm.py`` runs each workload in its own subprocess, with
+  ``PYTHONPATH`` = ``--vllm-pythonpath``: vLLM from the payload ``peers/vllm/prepare.sh``
+  builds (PEER, default ``.peer-vllm``; its README says how it reaches the GPU machine).
 - pagedserve: the bench functions ``suite.py`` uses (``pagedserve bench latency`` /
   ``throughput``), in one subprocess per ``--max-num-seqs`` value (one engine start runs that
   value's workloads).
 - Same settings on both sides: the Llama-3-8B shape from ``PEER/llama3-8b`` with dummy bf16
   weights (FP8 weights quantized at load with ``--quantization fp8``, an FP8 KV cache with
-  ``--kv-cache-dtype fp8``: vLLM gets the same two ``LLM(...)`` arguments), ``max_model_len`` 4096, ``gpu_memory_utilization`` 0.9, seed 0, random token-id
+  ``--kv-cache-dtype fp8``: both engines take the two options by these names), ``max_model_len`` 4096, ``gpu_memory_utilization`` 0.9, seed 0, random token-id
   prompts; ``b1`` / ``b64``: decode step at batch 1 / 64, 1024-token prompts, greedy, step =
   (t(128 out) - t(1 out)) / 127; ``t1000``: N x 1000 in / 1000 out and ``t2048``: N x 2048 in /
   128 out, temperature 1.0, each at every ``--max-num-seqs`` value (the step workloads at the
@@ -47,6 +47,7 @@ from typing import Any
 
 RESULTS = "vs_vllm.jsonl"
 CHILD_TAG = "VS_VLLM "
+VLLM_BENCH = Path(__file__).resolve().parent / "peers" / "vllm" / "bench_vllm.py"
 ENGINES = ("pagedserve", "vllm")
 MAX_MODEL_LEN = 4096
 GPU_MEMORY_UTILIZATION = 0.9
@@ -108,8 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run = sub.add_parser("run", help="run the engines, then print the table")
     run.add_argument("--out", required=True)
     run.add_argument("--peer", default=".peer-vllm",
-                     help="folder with bench_vllm.py and llama3-8b/config.json (the "
-                     "payload ../shared/peers/vllm/prepare.sh builds)")
+                     help="the payload benchmarks/peers/vllm/prepare.sh builds (its "
+                     "llama3-8b/config.json is the model of both engines)")
+    run.add_argument("--vllm-bench", default=str(VLLM_BENCH), help=argparse.SUPPRESS)
     run.add_argument("--engines", type=comma_list(str), default=list(ENGINES))
     run.add_argument("--workloads", type=comma_list(str), default=[*WORKLOADS, "cold"])
     run.add_argument("--max-num-seqs", type=comma_list(int), default=[256, 1024])
@@ -216,36 +218,14 @@ def command(run: Run, args: argparse.Namespace) -> tuple[list[str], dict[str, st
                  "--workloads", ",".join(run.workloads), "--max-num-seqs",
                  str(run.max_num_seqs), *prompts, *precision_flags(args)], {})
     name = WORKLOADS[run.workloads[0]].peer_name if run.workloads else "latency1"
-    options = vllm_options(args)
-    launcher = ["-c", VLLM_WITH_OPTIONS, json.dumps(options)] if options else []
-    return ([sys.executable, *launcher, str(Path(args.peer) / "bench_vllm.py"), "--model", model,
-             "--workload", name, "--max-num-seqs", str(run.max_num_seqs), "--repeats", "2",
-             "--no-tqdm", *prompts], {"PYTHONPATH": args.vllm_pythonpath})
+    return ([sys.executable, args.vllm_bench, "--model", model, "--workload", name,
+             "--max-num-seqs", str(run.max_num_seqs), "--repeats", "2", "--no-tqdm", *prompts,
+             *precision_flags(args)], {"PYTHONPATH": args.vllm_pythonpath})
 
 
 def precision_flags(args: argparse.Namespace) -> list[str]:
     quantization = ["--quantization", args.quantization] if args.quantization else []
     return [*quantization, "--kv-cache-dtype", args.kv_cache_dtype]
-
-
-def vllm_options(args: argparse.Namespace) -> dict[str, str]:
-    """The ``vllm.LLM`` arguments of ``--quantization`` / ``--kv-cache-dtype`` (vLLM names
-    them the same)."""
-    options = {"quantization": args.quantization} if args.quantization else {}
-    return options | ({"kv_cache_dtype": args.kv_cache_dtype}
-                      if args.kv_cache_dtype != "auto" else {})
-
-
-VLLM_WITH_OPTIONS = """\
-import functools, json, runpy, sys
-import vllm
-vllm.LLM = functools.partial(vllm.LLM, **json.loads(sys.argv[1]))
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-"""``python -c`` of this, the options as JSON, then bench_vllm.py and its arguments: the peer's
-script with the options added to its ``LLM(...)`` (it imports ``LLM`` from ``vllm`` when it
-runs, after this has replaced it)."""
 
 
 def vllm_records(run: Run, result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ real engines need a GPU)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,8 @@ from types import ModuleType
 import pytest
 
 from tests.benchmarks.script_loader import loaded_script
+
+REPO = Path(__file__).resolve().parents[2]
 
 FAKE_PEER = '''
 import json, sys
@@ -90,10 +93,11 @@ def test_table_prints_each_figure_beside_the_other_and_the_ratio(vs: ModuleType)
 def test_run_against_a_stand_in_peer(vs: ModuleType, tmp_path: Path, capsys) -> None:
     peer = tmp_path / "peer"
     (peer / "llama3-8b").mkdir(parents=True)
-    (peer / "bench_vllm.py").write_text(FAKE_PEER)
+    (tmp_path / "bench_vllm.py").write_text(FAKE_PEER)
     out = tmp_path / "out"
     vs.main(["run", "--out", str(out), "--peer", str(peer), "--engines", "vllm",
-             "--workloads", "b64,t1000,cold", "--vllm-pythonpath", str(tmp_path)])
+             "--workloads", "b64,t1000,cold", "--vllm-pythonpath", str(tmp_path),
+             "--vllm-bench", str(tmp_path / "bench_vllm.py")])
     records = [json.loads(line) for line in (out / vs.RESULTS).read_text().splitlines()]
     assert [(r["workload"], r["max_num_seqs"], r["value"]) for r in records] == [
         ("cold", 256, 84.0), ("b64", 256, 4.94), ("start", 256, 84.0), ("t1000", 256, 9563.0),
@@ -122,51 +126,31 @@ def test_table_gives_tokens_per_joule_beside_throughput(vs: ModuleType) -> None:
     assert "| t1000 (output tok/J) | 256 | 14.00 | 12.50 | 1.12x |" in lines
 
 
-FAKE_VLLM = '''
-class LLM:
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-'''
-
-FAKE_PEER_CALLING_LLM = '''
-import json, sys
-def run():
-    from vllm import LLM
-    llm = LLM(model=sys.argv[sys.argv.index("--model") + 1], dtype="bfloat16")
-    print(json.dumps({"startup_s": 1.0, "output_tokens_per_s": 100.0, "kwargs": llm.kwargs}))
-if __name__ == "__main__":
-    run()
-'''
-
-
-def test_fp8_options_reach_both_engines(vs: ModuleType, tmp_path: Path, capsys) -> None:
+def test_fp8_options_reach_both_engines(vs: ModuleType) -> None:
     args = vs.parse_args(["run", "--out", "o", "--quantization", "fp8",
                           "--kv-cache-dtype", "fp8"])
     assert vs.precision(args) == "fp8 weights + fp8 KV"
     assert vs.precision(vs.parse_args(["run", "--out", "o"])) == "bf16"
-    ours, _ = vs.command(vs.Run("pagedserve", ("t1000",), 1024), args)
-    assert ours[-4:] == ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
-    child = vs.parse_args(ours[ours.index("child"):])
-    assert (child.quantization, child.kv_cache_dtype) == ("fp8", "fp8")
     with pytest.raises(SystemExit):
         vs.parse_args(["run", "--out", "o", "--quantization", "int4"])
+    ours, _ = vs.command(vs.Run("pagedserve", ("t1000",), 1024), args)
+    child = vs.parse_args(ours[ours.index("child"):])
+    assert (child.quantization, child.kv_cache_dtype) == ("fp8", "fp8")
+    theirs, env = vs.command(vs.Run("vllm", ("t1000",), 1024), args)
+    assert theirs[1] == str(vs.VLLM_BENCH) and env["PYTHONPATH"] == args.vllm_pythonpath
+    peer = load_peer_bench()
+    parsed = peer.parse_args([*theirs[2:], "--dry-run"])
+    assert (parsed.quantization, parsed.kv_cache_dtype, parsed.max_num_seqs) == ("fp8", "fp8", 1024)
+    assert peer.run(parsed)["kv_cache_dtype"] == "fp8"  # a dry run: the prompts, no vLLM
 
-    site, peer = tmp_path / "site", tmp_path / "peer"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    (peer / "llama3-8b").mkdir(parents=True)
-    (peer / "bench_vllm.py").write_text(FAKE_PEER_CALLING_LLM)
-    out = tmp_path / "out"
-    vs.main(["run", "--out", str(out), "--peer", str(peer), "--engines", "vllm",
-             "--workloads", "t1000", "--max-num-seqs", "1024", "--vllm-pythonpath", str(site),
-             "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
-    records = [json.loads(line) for line in (out / vs.RESULTS).read_text().splitlines()]
-    assert records[-1]["raw"]["kwargs"] == {"model": str(peer / "llama3-8b"),
-                                            "dtype": "bfloat16", "quantization": "fp8",
-                                            "kv_cache_dtype": "fp8"}
-    assert {r["precision"] for r in records} == {"fp8 weights + fp8 KV"}
-    assert "| t1000, fp8 weights + fp8 KV (output tok/s) | 1024 | — | 100 | — |" in (
-        capsys.readouterr().out)
+
+def load_peer_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "benchmarks" / "peers"
+                                                  / "vllm" / "bench_vllm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_table_keeps_precisions_apart(vs: ModuleType) -> None:
