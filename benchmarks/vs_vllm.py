@@ -12,10 +12,11 @@
   value's workloads).
 - Same settings on both sides: the Llama-3-8B shape from ``PEER/llama3-8b`` with dummy bf16
   weights (FP8 weights quantized at load with ``--quantization fp8``, an FP8 KV cache with
-  ``--kv-cache-dtype fp8``: both engines take the two options by these names), ``max_model_len`` 4096, ``gpu_memory_utilization`` 0.9, seed 0, random token-id
-  prompts; ``b1`` / ``b64``: decode step at batch 1 / 64, 1024-token prompts, greedy, step =
-  (t(128 out) - t(1 out)) / 127; ``t1000``: N x 1000 in / 1000 out and ``t2048``: N x 2048 in /
-  128 out, temperature 1.0, each at every ``--max-num-seqs`` value (the step workloads at the
+  ``--kv-cache-dtype fp8``: both engines take the two options by these names),
+  ``max_model_len`` 4096, ``gpu_memory_utilization`` 0.9, seed 0, random token-id prompts;
+  ``b1`` / ``b64``: decode step at batch 1 / 64, 1024-token prompts, greedy, step = (t(128
+  out) - t(1 out)) / 127; ``t1000``: N x 1000 in / 1000 out and ``t2048``: N x 2048 in / 128
+  out, temperature 1.0, each at every ``--max-num-seqs`` value (the step workloads at the
   first one); ``cold``: each engine's first start-up, with empty compile caches (fresh
   ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``, ``VLLM_CACHE_ROOT``
   for the whole run; without ``cold`` the machine's caches are used).

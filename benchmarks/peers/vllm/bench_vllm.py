@@ -47,8 +47,10 @@ VOCAB_HI = 128000  # random ids in [0, 128000)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="folder that holds a config.json (weights are dummy)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="folder that holds a config.json (weights are dummy)")
     p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     p.add_argument("--num-prompts", type=int, default=None,
                    help="override the number of prompts of t1000/t2048 (for a quick try)")
@@ -60,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true",
                    help="fallback only: disable torch.compile and CUDA graphs (not the default)")
     p.add_argument("--output-json", default=None, help="also write the final JSON here")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs (default: vLLM's)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM max_num_seqs (default: vLLM's)")
     p.add_argument("--no-tqdm", action="store_true", help="hide the progress bar")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="vLLM quantization (fp8: FP8 weights quantized at load)")
@@ -116,7 +119,8 @@ def run(args):
     if kind == "latency":
         # Distinct prompts for each call, so the prefix cache (on by default) never serves
         # one call from another; t1 and t128 both include a full 1024-token prefill.
-        plan = [("warmup", out_len)] + [(f"r{i}", m) for i in range(args.repeats) for m in (1, out_len)]
+        plan = [("warmup", out_len)] + [(f"r{i}", m) for i in range(args.repeats)
+                                        for m in (1, out_len)]
         prompt_sets = {f"{tag}_{m}": make_prompts(rng, n, in_len) for tag, m in plan}
     else:
         prompts = make_prompts(rng, n, in_len)
@@ -169,7 +173,8 @@ def run(args):
             dN, oN = timed_generate(llm, prompt_sets[f"r{i}_{out_len}"], sp(out_len), False)
             got = count_tokens(oN)[1]
             if got != n * out_len:
-                print(f"[bench] WARNING: expected {n * out_len} output tokens, got {got}", flush=True)
+                print(f"[bench] WARNING: expected {n * out_len} output tokens, got {got}",
+                      flush=True)
             t1s.append(d1)
             t128s.append(dN)
             steps.append((dN - d1) / (out_len - 1) * 1000.0)
