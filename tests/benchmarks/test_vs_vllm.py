@@ -4,7 +4,6 @@ real engines need a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +12,6 @@ from types import ModuleType
 import pytest
 
 from tests.benchmarks.script_loader import loaded_script
-
-REPO = Path(__file__).resolve().parents[2]
 
 FAKE_PEER = '''
 import json, sys
@@ -138,19 +135,11 @@ def test_fp8_options_reach_both_engines(vs: ModuleType) -> None:
     assert (child.quantization, child.kv_cache_dtype) == ("fp8", "fp8")
     theirs, env = vs.command(vs.Run("vllm", ("t1000",), 1024), args)
     assert theirs[1] == str(vs.VLLM_BENCH) and env["PYTHONPATH"] == args.vllm_pythonpath
-    peer = load_peer_bench()
-    parsed = peer.parse_args([*theirs[2:], "--dry-run"])
-    assert (parsed.quantization, parsed.kv_cache_dtype, parsed.max_num_seqs) == ("fp8", "fp8", 1024)
-    assert peer.run(parsed)["kv_cache_dtype"] == "fp8"  # a dry run: the prompts, no vLLM
-
-
-def load_peer_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_vllm", REPO / "benchmarks" / "peers"
-                                                  / "vllm" / "bench_vllm.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with loaded_script("peers/vllm/bench_vllm") as peer:
+        parsed = peer.parse_args([*theirs[2:], "--dry-run"])
+        assert (parsed.quantization, parsed.kv_cache_dtype, parsed.max_num_seqs) == (
+            "fp8", "fp8", 1024)
+        assert peer.run(parsed)["kv_cache_dtype"] == "fp8"  # a dry run: the prompts, no vLLM
 
 
 def test_table_keeps_precisions_apart(vs: ModuleType) -> None:
