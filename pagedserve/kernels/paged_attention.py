@@ -10,6 +10,9 @@ one kv head (GQA), so each K/V tile is loaded once for the group: its tile has
 ``kv_head * GROUP + r % GROUP_PAD``. Programs are numbered over all requests without a host sync:
 request ``i``'s query blocks start at ``query_start_loc[i] // BLOCK_Q + i``, so
 ``num_actual_tokens // BLOCK_Q + num_reqs`` programs cover every block (extra ones exit at once).
+A launch over the later requests of a batch (the earlier ones decoded apart) passes
+``query_start_loc`` from its first request on, and its programs start at that request's first
+block (``first_q_block``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _find_request(query_start_loc_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.conste
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_reqs"])  # per-step ints: kernels/__init__
+@triton.jit(do_not_specialize=["num_reqs", "first_q_block"])  # per-step ints: kernels/__init__
 def _paged_attention_kernel(
     output_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -62,6 +65,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # int32 [num_reqs]
     query_start_loc_ptr,  # int32 [num_reqs + 1]
     num_reqs,
+    first_q_block,  # query_start_loc[0] // BLOCK_Q: the first request's first query block
     qk_scale,  # softmax scale * log2(e) * the keys' FP8 scale
     v_scale,  # the values' FP8 scale (unused for a cache in the model's dtype)
     stride_q_tok,
@@ -87,7 +91,7 @@ def _paged_attention_kernel(
     P_DTYPE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
-    q_block_global = tl.program_id(0)
+    q_block_global = tl.program_id(0) + first_q_block
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block_global, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -184,8 +188,11 @@ def paged_attention(
     launch: KeyLoopLaunch = DEFAULT_LAUNCH,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    first_token: int = 0,
 ) -> None:
-    """Causal varlen attention over the paged cache; writes ``output[:num_actual_tokens]`` only.
+    """Causal varlen attention over the paged cache; writes the rows
+    ``output[first_token:num_actual_tokens]`` only, ``first_token`` being ``query_start_loc[0]``
+    (0 for a whole batch; the rows of earlier requests for a launch over the later ones).
     ``k_scale`` / ``v_scale``: an FP8 cache's scales (ignored for one in the model's dtype).
 
     Arguments are trusted (the backend checks them); all sizes are host-known ints.
@@ -201,10 +208,11 @@ def paged_attention(
     block_q = block_m // group_pad
     dot_dtype = dot_operand_dtype(query, kv_cache)
     k_scale, v_scale = cache_scales(kv_cache, k_scale, v_scale)
-    grid = (num_actual_tokens // block_q + num_reqs, key_cache.shape[2])
+    first_q_block = first_token // block_q
+    grid = (num_actual_tokens // block_q + num_reqs - first_q_block, key_cache.shape[2])
     _paged_attention_kernel[grid](
         output, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        num_reqs, scale * LOG2_E * k_scale, v_scale,
+        num_reqs, first_q_block, scale * LOG2_E * k_scale, v_scale,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

@@ -40,6 +40,7 @@ def build_attn_metadata(
         query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np),
         seq_lens_cpu=torch.from_numpy(batch.seq_lens_np),
         causal=True,
+        num_decodes=batch.plan.num_decodes,
     )
 
 

@@ -106,6 +106,8 @@ class BatchPlan:
     max_seq_len: int
     has_prefill: bool
     """Some row reads prefill tokens this step."""
+    num_decodes: int
+    """Rows of query length 1; ``_batch_order`` puts them first."""
 
     @property
     def num_reqs(self) -> int:
@@ -195,6 +197,7 @@ def plan_batch(num_scheduled_tokens: dict[str, int], states: RequestStates) -> B
         min_query_len=min_query_len,
         max_seq_len=0 if empty else int(seq_lens_np.max()),
         has_prefill=has_prefill,
+        num_decodes=int(np.count_nonzero(query_lens_np == DECODE_QUERY_LEN)),
     )
 
 

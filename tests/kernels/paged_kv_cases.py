@@ -38,7 +38,8 @@ def make_paged_batch(
 ) -> PagedBatch:
     """Requests with a cached prefix of ``context_lens`` keys already in the cache (scattered
     over shuffled blocks) and ``query_lens`` new rows whose keys are returned, not written.
-    Built on the CPU (the same random batch for every device), then moved to ``device``."""
+    Built on the CPU (the same random batch for every device), then moved to ``device``.
+    ``metadata.num_decodes`` counts the leading one-row queries, as the runner's does."""
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 2
@@ -74,6 +75,7 @@ def make_paged_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_table=block_table,
         slot_mapping=torch.cat([*slots, pad_slots]),
+        num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
     )
     batch = PagedBatch(
         query=torch.randn(num_tokens + num_padding, num_heads, head_dim).to(dtype),

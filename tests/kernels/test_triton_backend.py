@@ -69,7 +69,38 @@ def test_decode_batch_takes_the_split_kv_path(dtype: torch.dtype) -> None:
 def test_mixed_batch_runs_the_varlen_kernel() -> None:
     backend = TritonBackend(target_programs=64, min_keys_per_split=16)
     batch = make_paged_batch([1, 12, 5], [60, 4, 0], 8, 2, 64, 16, torch.float32, device=DEVICE)
+    batch.metadata.num_decodes = 0  # every row through the varlen kernel
     _check_against_oracles(backend, batch, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_batchs_decodes_run_the_split_kv_kernel(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The leading one-row queries go to the split-KV kernel, the rest to the varlen kernel,
+    whose programs start at the first prefill row: with 4-row query blocks (the longest query
+    of 3 rows x 4 heads a kv head: 16-row tiles), the 9 decode rows end inside block 2."""
+    from pagedserve.attention.backends import triton as backend_module
+
+    calls: list[tuple[str, int]] = []
+
+    def spy(name: str, kernel):
+        def run(*args, **kwargs):
+            calls.append((name, args[5]))  # num_reqs
+            return kernel(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(backend_module, "paged_attention_split_kv",
+                        spy("split_kv", backend_module.paged_attention_split_kv))
+    monkeypatch.setattr(backend_module, "paged_attention",
+                        spy("varlen", backend_module.paged_attention))
+    backend = TritonBackend(target_programs=64, min_keys_per_split=16)
+    query_lens = [1] * 9 + [3, 2]
+    context_lens = [70, 3, 33, 0, 120, 9, 1, 40, 64, 17, 0]
+    batch = make_paged_batch(query_lens, context_lens, 8, 2, 64, 8, dtype, device=DEVICE)
+    assert batch.metadata.num_decodes == 9
+    _check_against_oracles(backend, batch, 0.125)
+    assert calls == [("split_kv", 9), ("varlen", 2)]
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ def test_plan_puts_decodes_first_then_others_by_size() -> None:
     assert plan.idx_mapping_np.tolist() == [states.req_id_to_index[r] for r in plan.req_ids]
     assert plan.seq_lens_np.tolist() == [6, 7, 13, 9]
     assert (plan.num_tokens, plan.max_query_len, plan.min_query_len) == (14, 9, 1)
+    assert plan.num_decodes == 2  # the rows attention may run on its decode kernel
     assert plan.has_prefill and plan.uniform_decode_len is None
     assert plan.sample_rows_np.tolist() == [0, 1]  # the prefill chunks do not reach the end
 
@@ -69,7 +70,7 @@ def test_plan_puts_decodes_first_then_others_by_size() -> None:
 def test_plan_of_decodes_keeps_the_scheduler_order() -> None:
     states = _states_with({"B": (4, 4), "A": (3, 3)})
     plan = plan_batch({"B": 1, "A": 1}, states)
-    assert plan.req_ids == ["B", "A"] and not plan.has_prefill
+    assert plan.req_ids == ["B", "A"] and not plan.has_prefill and plan.num_decodes == 2
     assert plan.uniform_decode_len == 1 and plan.sample_rows_np.tolist() == [0, 1]
 
 

@@ -54,6 +54,9 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None  # int32 [num_reqs + 1], host
     seq_lens_cpu: torch.Tensor | None = None  # int32 [num_reqs], host
     causal: bool = True
+    num_decodes: int = 0
+    """Leading requests whose query is one row (the batch orders them first): a backend may
+    run them apart from the rest, on its decode kernel."""
 
 
 class AttentionBackend(Protocol):

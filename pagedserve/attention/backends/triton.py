@@ -78,8 +78,9 @@ class TritonBackend:
     """AttentionBackend on Triton kernels.
 
     Batches whose queries are all single rows (``max_query_len == 1``) run the split-KV decode
-    kernel (segments from ``choose_num_splits``, key loop from ``decode_launch``); batches with
-    prefill rows run the varlen kernel. Under a FULL CUDA graph both choices are fixed at
+    kernel (segments from ``choose_num_splits``, key loop from ``decode_launch``); in batches
+    with prefill rows, the leading single-row requests (``metadata.num_decodes``) run it too,
+    and the rest the varlen kernel. Under a FULL CUDA graph both choices are fixed at
     capture (from the capture's ``num_reqs`` and ``max_seq_len``); the results stay exact for
     any replayed seq_lens.
     """
@@ -123,27 +124,46 @@ class TritonBackend:
             raise ValueError("metadata.causal: the triton backend only runs causal attention")
         if metadata.num_actual_tokens == 0:
             return
-        if metadata.max_query_len == 1:
-            num_kv_heads = kv_cache.shape[3]
-            num_splits = choose_num_splits(
-                metadata.num_reqs,
-                num_kv_heads,
-                metadata.max_seq_len,
-                self.target_programs,
-                self.min_keys_per_split,
-            )
-            launch = decode_launch(
-                num_splits, metadata.num_reqs * num_kv_heads, self.target_programs,
-                kv_cache.dtype,
-            )
-            paged_attention_split_kv(
-                query, kv_cache, metadata.block_table, metadata.query_start_loc,
-                metadata.seq_lens, metadata.num_reqs, scale, output, num_splits, launch,
-                kv_scales.k, kv_scales.v,
-            )  # fmt: skip
+        # A mixed batch's single-row queries (its leading requests) run the decode kernel
+        # too: the varlen kernel would give each a query tile of mostly empty rows and walk
+        # its whole context in one program.
+        num_decodes = metadata.num_reqs if metadata.max_query_len == 1 else metadata.num_decodes
+        if num_decodes > 0:
+            self._decode(query, kv_cache, metadata, num_decodes, scale, output, kv_scales)
+        if num_decodes == metadata.num_reqs:
             return
+        first_token = num_decodes  # one row each
         paged_attention(
-            query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len, scale, output,
-            prefill_launch(kv_cache.dtype), kv_scales.k, kv_scales.v,
+            query, kv_cache, metadata.block_table[num_decodes:],
+            metadata.query_start_loc[num_decodes:], metadata.seq_lens[num_decodes:],
+            metadata.num_reqs - num_decodes, metadata.num_actual_tokens, metadata.max_query_len,
+            scale, output, prefill_launch(kv_cache.dtype), kv_scales.k, kv_scales.v, first_token,
+        )  # fmt: skip
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        num_reqs: int,
+        scale: float,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_scales: KVScales,
+    ) -> None:
+        """The split-KV kernel over the first ``num_reqs`` requests, each one query row."""
+        num_kv_heads = kv_cache.shape[3]
+        num_splits = choose_num_splits(
+            num_reqs, num_kv_heads, metadata.max_seq_len, self.target_programs,
+            self.min_keys_per_split,
+        )  # fmt: skip
+        launch = decode_launch(
+            num_splits, num_reqs * num_kv_heads, self.target_programs, kv_cache.dtype
+        )
+        whole = num_reqs == metadata.num_reqs
+        paged_attention_split_kv(
+            query, kv_cache,
+            metadata.block_table if whole else metadata.block_table[:num_reqs],
+            metadata.query_start_loc if whole else metadata.query_start_loc[: num_reqs + 1],
+            metadata.seq_lens if whole else metadata.seq_lens[:num_reqs],
+            num_reqs, scale, output, num_splits, launch, kv_scales.k, kv_scales.v,
         )  # fmt: skip
