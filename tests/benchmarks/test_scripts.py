@@ -21,7 +21,7 @@ def test_the_kept_scripts_are_the_listed_ones() -> None:
     assert SCRIPTS == ["attention_ptx", "attention_sweep", "cpu_attention_bench", "cpu_decode_step_bench",
                        "cpu_prefill_attention_bench",
                        "cpu_profile", "cpu_rope_rows_bench", "cpu_vs_transformers", "cpu_vs_vllm",
-                       "fp8_gemm_sweep", "fp8_quant_sweep", "fp8_suite", "gemv_sweep", "gpu_profile", "plot_decode",
+                       "fp8_gemm_sweep", "fp8_quant_sweep", "fp8_suite", "gemv_sweep", "gpu_profile", "mixed_attention", "plot_decode",
                        "sampler_bench", "sched_sim", "spec_decode_bench", "spec_decode_jobs", "startup_check",
                        "structured",
                        "suite", "tp_check",
