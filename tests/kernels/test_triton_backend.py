@@ -20,6 +20,7 @@ from pagedserve.attention.backends.triton import (
     TritonBackend,
     choose_num_splits,
     decode_launch,
+    decodes_apart,
     prefill_launch,
 )
 
@@ -69,17 +70,11 @@ def test_decode_batch_takes_the_split_kv_path(dtype: torch.dtype) -> None:
 def test_mixed_batch_runs_the_varlen_kernel() -> None:
     backend = TritonBackend(target_programs=64, min_keys_per_split=16)
     batch = make_paged_batch([1, 12, 5], [60, 4, 0], 8, 2, 64, 16, torch.float32, device=DEVICE)
-    batch.metadata.num_decodes = 0  # every row through the varlen kernel
     _check_against_oracles(backend, batch, 0.125)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_mixed_batchs_decodes_run_the_split_kv_kernel(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
-) -> None:
-    """The leading one-row queries go to the split-KV kernel, the rest to the varlen kernel,
-    whose programs start at the first prefill row: with 4-row query blocks (the longest query
-    of 3 rows x 4 heads a kv head: 16-row tiles), the 9 decode rows end inside block 2."""
+def _spy_kernels(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(kernel, num_reqs) of each attention launch the backend makes from now on."""
     from pagedserve.attention.backends import triton as backend_module
 
     calls: list[tuple[str, int]] = []
@@ -94,13 +89,56 @@ def test_a_mixed_batchs_decodes_run_the_split_kv_kernel(
                         spy("split_kv", backend_module.paged_attention_split_kv))
     monkeypatch.setattr(backend_module, "paged_attention",
                         spy("varlen", backend_module.paged_attention))
+    return calls
+
+
+# 9 decodes, then prompt chunks of 3 and 2 rows: with 4-row query blocks (the longest query of
+# 3 rows x 4 heads a kv head: 16-row tiles), the decode rows end inside block 2.
+MIXED_QUERY_LENS = [1] * 9 + [3, 2]
+MIXED_CONTEXT_LENS = [70, 3, 33, 0, 120, 9, 1, 40, 64, 17, 0]
+
+
+def test_over_an_fp8_cache_a_mixed_batchs_decodes_run_the_split_kv_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leading one-row queries go to the split-KV kernel, the rest to the varlen kernel,
+    whose programs start at the first prompt row: the FP8 launch's query blocks are 32 rows
+    (128-row tiles of 4 heads), so 70 decode rows end inside block 2. The outputs are those of
+    one varlen launch over every row (which ``test_fp8_kv_kernels`` holds to the reference)."""
+    calls = _spy_kernels(monkeypatch)
     backend = TritonBackend(target_programs=64, min_keys_per_split=16)
-    query_lens = [1] * 9 + [3, 2]
-    context_lens = [70, 3, 33, 0, 120, 9, 1, 40, 64, 17, 0]
-    batch = make_paged_batch(query_lens, context_lens, 8, 2, 64, 8, dtype, device=DEVICE)
-    assert batch.metadata.num_decodes == 9
+    context_lens = [(7 * i) % 45 for i in range(70)] + [17, 0]
+    batch = make_paged_batch([1] * 70 + [3, 2], context_lens, 8, 2, 64, 8, torch.bfloat16,
+                             device=DEVICE)  # fmt: skip
+    assert batch.metadata.num_decodes == 70
+    apart, cache = _run(backend, batch, batch.kv_cache.to(torch.float8_e4m3fn), 0.125)
+    assert calls == [("split_kv", 70), ("varlen", 2)]
+    batch.metadata.num_decodes = 0
+    together, _ = _run(backend, batch, cache, 0.125)  # rewrites the same keys
+    assert calls[2:] == [("varlen", 72)]
+    n = batch.metadata.num_actual_tokens
+    torch.testing.assert_close(apart[:n], together[:n], atol=1e-2, rtol=1e-2)
+    assert (apart[n:] == SENTINEL).all(), "padding rows were written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_over_a_cache_in_the_model_dtype_a_mixed_batch_is_one_varlen_launch(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    calls = _spy_kernels(monkeypatch)
+    backend = TritonBackend(target_programs=64, min_keys_per_split=16)
+    batch = make_paged_batch(MIXED_QUERY_LENS, MIXED_CONTEXT_LENS, 8, 2, 64, 8, dtype,
+                             device=DEVICE)  # fmt: skip
     _check_against_oracles(backend, batch, 0.125)
-    assert calls == [("split_kv", 9), ("varlen", 2)]
+    assert calls == [("varlen", 11)]
+
+
+@pytest.mark.parametrize(
+    ("num_decodes", "cache_dtype", "expected"),
+    [(9, torch.float8_e4m3fn, 9), (9, torch.bfloat16, 0), (0, torch.float8_e4m3fn, 0)],
+)
+def test_decodes_apart(num_decodes: int, cache_dtype: torch.dtype, expected: int) -> None:
+    assert decodes_apart(num_decodes, cache_dtype) == expected
 
 
 @pytest.mark.parametrize(

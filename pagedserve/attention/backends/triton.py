@@ -74,13 +74,22 @@ def prefill_launch(cache_dtype: torch.dtype) -> KeyLoopLaunch:
     return FP8_PREFILL_LAUNCH if cache_dtype == FP8_KV_DTYPE else PREFILL_LAUNCH
 
 
+def decodes_apart(num_decodes: int, cache_dtype: torch.dtype) -> int:
+    """How many of a mixed batch's leading one-row queries run the split-KV kernel before the
+    varlen kernel runs the rest: all of them over an FP8 cache, where the varlen launch's
+    128-row query tiles would hold 4 real rows of a decode and widen every key for them; none
+    over a cache in the model's dtype, where one launch overlaps the decode rows' reads with
+    the prompts' math and measured as fast (docs/gpu.md#attention-launches)."""
+    return num_decodes if cache_dtype == FP8_KV_DTYPE else 0
+
+
 class TritonBackend:
     """AttentionBackend on Triton kernels.
 
     Batches whose queries are all single rows (``max_query_len == 1``) run the split-KV decode
-    kernel (segments from ``choose_num_splits``, key loop from ``decode_launch``); in batches
-    with prefill rows, the leading single-row requests (``metadata.num_decodes``) run it too,
-    and the rest the varlen kernel. Under a FULL CUDA graph both choices are fixed at
+    kernel (segments from ``choose_num_splits``, key loop from ``decode_launch``); batches
+    with prefill rows run the varlen kernel, after the split-KV kernel has run their leading
+    single-row requests where ``decodes_apart`` says so. Under a FULL CUDA graph both choices are fixed at
     capture (from the capture's ``num_reqs`` and ``max_seq_len``); the results stay exact for
     any replayed seq_lens.
     """
@@ -124,10 +133,10 @@ class TritonBackend:
             raise ValueError("metadata.causal: the triton backend only runs causal attention")
         if metadata.num_actual_tokens == 0:
             return
-        # A mixed batch's single-row queries (its leading requests) run the decode kernel
-        # too: the varlen kernel would give each a query tile of mostly empty rows and walk
-        # its whole context in one program.
-        num_decodes = metadata.num_reqs if metadata.max_query_len == 1 else metadata.num_decodes
+        if metadata.max_query_len == 1:
+            num_decodes = metadata.num_reqs
+        else:
+            num_decodes = decodes_apart(metadata.num_decodes, kv_cache.dtype)
         if num_decodes > 0:
             self._decode(query, kv_cache, metadata, num_decodes, scale, output, kv_scales)
         if num_decodes == metadata.num_reqs:
