@@ -3,10 +3,11 @@
     python benchmarks/mixed_attention.py --out DIR [--scenarios t2048,t1000] [--kv-cache-dtype fp8]
 
 A step of chunked prefill carries the running requests' decode rows (the batch orders them
-first) and new prompts' chunks. ``TritonBackend.forward`` runs the decode rows on the split-KV
-kernel and the rest on the varlen kernel (``apart``); with ``metadata.num_decodes = 0`` every row
-goes through the varlen kernel (``together``, what the backend did before). ``decodes alone``
-times the decode rows as a batch of their own. Llama-3-8B attention (32 query / 8 KV heads of
+first) and new prompts' chunks. ``together``: every row in one launch of the varlen kernel;
+``apart``: the decode rows on the split-KV kernel, then the rest on the varlen kernel; each
+with the launch shapes the Triton backend picks (``TritonBackend.forward`` runs them apart
+where ``decodes_apart`` says so). ``decodes alone`` times the decode rows as a batch of their
+own. Llama-3-8B attention (32 query / 8 KV heads of
 128), one layer, shuffled block tables, us per launch: median of 10 replays of a CUDA graph of 5
 launches. ``max_abs_diff``: apart against together, which must agree.
 
@@ -25,8 +26,15 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention.backends.base import AttentionMetadata
-from pagedserve.attention.backends.triton import TritonBackend
+from pagedserve.attention.backends.triton import (
+    TritonBackend,
+    choose_num_splits,
+    decode_launch,
+    prefill_launch,
+)
 from pagedserve.entrypoints.bench.graph_timing import graph_time_ms
+from pagedserve.kernels.paged_attention import paged_attention
+from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 # decode rows, their seq_len range, prompt chunks as (query tokens, tokens cached before)
@@ -71,10 +79,30 @@ def mixed_batch(num_decodes: int, decode_seq_lens: tuple[int, int],
     return query, kv_cache, metadata, sum(seq_lens[:num_decodes])
 
 
-def launch_us(backend: TritonBackend, query, kv_cache, metadata, output) -> float:
+def run_attention(backend: TritonBackend, query, kv_cache, m: AttentionMetadata, output,
+                  num_apart: int) -> None:
+    """The step's attention with its first ``num_apart`` (one-row) requests on the split-KV
+    kernel and the rest on the varlen kernel, in the backend's launch shapes."""
+    scale = HEAD_DIM**-0.5
+    if num_apart:
+        splits = choose_num_splits(num_apart, KV_HEADS, m.max_seq_len, backend.target_programs,
+                                   backend.min_keys_per_split)
+        launch = decode_launch(splits, num_apart * KV_HEADS, backend.target_programs,
+                               kv_cache.dtype)
+        paged_attention_split_kv(query, kv_cache, m.block_table[:num_apart],
+                                 m.query_start_loc[: num_apart + 1], m.seq_lens[:num_apart],
+                                 num_apart, scale, output, splits, launch)
+    if num_apart < m.num_reqs:
+        paged_attention(query, kv_cache, m.block_table[num_apart:],
+                        m.query_start_loc[num_apart:], m.seq_lens[num_apart:],
+                        m.num_reqs - num_apart, m.num_actual_tokens, m.max_query_len, scale,
+                        output, prefill_launch(kv_cache.dtype), first_token=num_apart)
+
+
+def launch_us(run) -> float:
     def step() -> None:
         for _ in range(LAUNCHES):
-            backend.forward(query, kv_cache, metadata, HEAD_DIM**-0.5, output)
+            run()
 
     return graph_time_ms(step, REPS) * 1e3 / LAUNCHES
 
@@ -85,12 +113,14 @@ def scenario(backend: TritonBackend, name: str, cache_dtype: torch.dtype) -> dic
                                                            chunks, cache_dtype)
     outputs, row = {}, {}
     for label, n in (("together", 0), ("apart", num_decodes)):
-        metadata.num_decodes = n
-        outputs[label] = torch.empty_like(query)
-        row[f"{label}_us"] = launch_us(backend, query, kv_cache, metadata, outputs[label])
+        out = outputs[label] = torch.empty_like(query)
+        row[f"{label}_us"] = launch_us(
+            lambda n=n, out=out: run_attention(backend, query, kv_cache, metadata, out, n))
     diff = (outputs["apart"].float() - outputs["together"].float()).abs().max().item()
     query, kv_cache, metadata, _ = mixed_batch(num_decodes, decode_seq_lens, [], cache_dtype)
-    row["decodes_alone_us"] = launch_us(backend, query, kv_cache, metadata, torch.empty_like(query))
+    alone = torch.empty_like(query)
+    row["decodes_alone_us"] = launch_us(
+        lambda: backend.forward(query, kv_cache, metadata, HEAD_DIM**-0.5, alone))
     row["max_abs_diff"] = diff
     row["decode_kv_bytes"] = decode_tokens * KV_HEADS * HEAD_DIM * 2 * cache_dtype.itemsize
     row["prompt_tokens"] = sum(q for q, _ in chunks)

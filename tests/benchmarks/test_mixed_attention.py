@@ -18,20 +18,22 @@ def test_the_mixed_batch_runs_the_same_apart_and_together(cache_dtype: torch.dty
     with loaded_script("mixed_attention") as script:
         query, kv_cache, meta, decode_tokens = script.mixed_batch(
             6, (20, 40), [(7, 0), (5, 19)], cache_dtype, dev=str(DEVICE))
+        run_attention = script.run_attention
     assert meta.num_decodes == 6 and meta.num_reqs == 8 and meta.num_actual_tokens == 18
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 18]
-    assert meta.seq_lens.tolist()[6:] == [7, 24] and decode_tokens == sum(meta.seq_lens.tolist()[:6])
+    seq_lens = meta.seq_lens.tolist()
+    assert seq_lens[6:] == [7, 24] and decode_tokens == sum(seq_lens[:6])
     table = meta.block_table.cpu()
-    owned = [table[i, : -(-s // script.BLOCK)] for i, s in enumerate(meta.seq_lens.tolist())]
+    owned = [table[i, : -(-s // script.BLOCK)] for i, s in enumerate(seq_lens)]
     ids = torch.cat(owned)
     assert ids.unique().numel() == ids.numel() and ids.min() >= 1  # block 0 is never used
 
-    backend, scale = TritonBackend(target_programs=64, min_keys_per_split=16), 128**-0.5
+    backend = TritonBackend(target_programs=64, min_keys_per_split=16)
+    scale = script.HEAD_DIM**-0.5
     outputs = []
-    for num_decodes in (0, 6):
-        meta.num_decodes = num_decodes
+    for num_apart in (0, 6):
         outputs.append(torch.empty_like(query))
-        backend.forward(query, kv_cache, meta, scale, outputs[-1])
+        run_attention(backend, query, kv_cache, meta, outputs[-1], num_apart)
     want = torch.empty_like(query)
     TorchRefBackend().forward(query, kv_cache, meta, scale, want)
     for got in outputs:
