@@ -4,9 +4,9 @@
 
 A step of chunked prefill carries the running requests' decode rows (the batch orders them
 first) and new prompts' chunks. ``together``: every row in one launch of the varlen kernel;
-``apart``: the decode rows on the split-KV kernel, then the rest on the varlen kernel; each
-with the launch shapes the Triton backend picks (``TritonBackend.forward`` runs them apart
-where ``decodes_apart`` says so). ``decodes alone`` times the decode rows as a batch of their
+``apart``: the decode rows on the split-KV kernel, then the rest on the varlen kernel
+(``TritonBackend.forward_apart`` with 0 or all the decode rows apart; ``forward`` runs them
+apart where ``decodes_apart`` says so). ``decodes alone`` times the decode rows as a batch of their
 own. Llama-3-8B attention (32 query / 8 KV heads of
 128), one layer, shuffled block tables, us per launch: median of 10 replays of a CUDA graph of 5
 launches. ``max_abs_diff``: apart against together, which must agree.
@@ -26,15 +26,8 @@ from pathlib import Path
 import torch
 
 from pagedserve.attention.backends.base import AttentionMetadata
-from pagedserve.attention.backends.triton import (
-    TritonBackend,
-    choose_num_splits,
-    decode_launch,
-    prefill_launch,
-)
+from pagedserve.attention.backends.triton import TritonBackend
 from pagedserve.entrypoints.bench.graph_timing import graph_time_ms
-from pagedserve.kernels.paged_attention import paged_attention
-from pagedserve.kernels.paged_attention_split import paged_attention_split_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 # decode rows, their seq_len range, prompt chunks as (query tokens, tokens cached before)
@@ -79,26 +72,6 @@ def mixed_batch(num_decodes: int, decode_seq_lens: tuple[int, int],
     return query, kv_cache, metadata, sum(seq_lens[:num_decodes])
 
 
-def run_attention(backend: TritonBackend, query, kv_cache, m: AttentionMetadata, output,
-                  num_apart: int) -> None:
-    """The step's attention with its first ``num_apart`` (one-row) requests on the split-KV
-    kernel and the rest on the varlen kernel, in the backend's launch shapes."""
-    scale = HEAD_DIM**-0.5
-    if num_apart:
-        splits = choose_num_splits(num_apart, KV_HEADS, m.max_seq_len, backend.target_programs,
-                                   backend.min_keys_per_split)
-        launch = decode_launch(splits, num_apart * KV_HEADS, backend.target_programs,
-                               kv_cache.dtype)
-        paged_attention_split_kv(query, kv_cache, m.block_table[:num_apart],
-                                 m.query_start_loc[: num_apart + 1], m.seq_lens[:num_apart],
-                                 num_apart, scale, output, splits, launch)
-    if num_apart < m.num_reqs:
-        paged_attention(query, kv_cache, m.block_table[num_apart:],
-                        m.query_start_loc[num_apart:], m.seq_lens[num_apart:],
-                        m.num_reqs - num_apart, m.num_actual_tokens, m.max_query_len, scale,
-                        output, prefill_launch(kv_cache.dtype), first_token=num_apart)
-
-
 def launch_us(run) -> float:
     def step() -> None:
         for _ in range(LAUNCHES):
@@ -114,8 +87,8 @@ def scenario(backend: TritonBackend, name: str, cache_dtype: torch.dtype) -> dic
     outputs, row = {}, {}
     for label, n in (("together", 0), ("apart", num_decodes)):
         out = outputs[label] = torch.empty_like(query)
-        row[f"{label}_us"] = launch_us(
-            lambda n=n, out=out: run_attention(backend, query, kv_cache, metadata, out, n))
+        row[f"{label}_us"] = launch_us(lambda n=n, out=out: backend.forward_apart(
+            query, kv_cache, metadata, n, HEAD_DIM**-0.5, out))
     diff = (outputs["apart"].float() - outputs["together"].float()).abs().max().item()
     query, kv_cache, metadata, _ = mixed_batch(num_decodes, decode_seq_lens, [], cache_dtype)
     alone = torch.empty_like(query)

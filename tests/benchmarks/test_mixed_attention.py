@@ -18,7 +18,6 @@ def test_the_mixed_batch_runs_the_same_apart_and_together(cache_dtype: torch.dty
     with loaded_script("mixed_attention") as script:
         query, kv_cache, meta, decode_tokens = script.mixed_batch(
             6, (20, 40), [(7, 0), (5, 19)], cache_dtype, dev=str(DEVICE))
-        run_attention = script.run_attention
     assert meta.num_decodes == 6 and meta.num_reqs == 8 and meta.num_actual_tokens == 18
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 18]
     seq_lens = meta.seq_lens.tolist()
@@ -33,7 +32,7 @@ def test_the_mixed_batch_runs_the_same_apart_and_together(cache_dtype: torch.dty
     outputs = []
     for num_apart in (0, 6):
         outputs.append(torch.empty_like(query))
-        run_attention(backend, query, kv_cache, meta, outputs[-1], num_apart)
+        backend.forward_apart(query, kv_cache, meta, num_apart, scale, outputs[-1])
     want = torch.empty_like(query)
     TorchRefBackend().forward(query, kv_cache, meta, scale, want)
     for got in outputs:

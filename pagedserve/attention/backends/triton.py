@@ -89,9 +89,9 @@ class TritonBackend:
     Batches whose queries are all single rows (``max_query_len == 1``) run the split-KV decode
     kernel (segments from ``choose_num_splits``, key loop from ``decode_launch``); batches
     with prefill rows run the varlen kernel, after the split-KV kernel has run their leading
-    single-row requests where ``decodes_apart`` says so. Under a FULL CUDA graph both choices are fixed at
-    capture (from the capture's ``num_reqs`` and ``max_seq_len``); the results stay exact for
-    any replayed seq_lens.
+    single-row requests where ``decodes_apart`` says so. Under a FULL CUDA graph both choices
+    are fixed at capture (from the capture's ``num_reqs`` and ``max_seq_len``); the results
+    stay exact for any replayed seq_lens.
     """
 
     name = "triton"
@@ -134,45 +134,53 @@ class TritonBackend:
         if metadata.num_actual_tokens == 0:
             return
         if metadata.max_query_len == 1:
-            num_decodes = metadata.num_reqs
+            num_apart = metadata.num_reqs
         else:
-            num_decodes = decodes_apart(metadata.num_decodes, kv_cache.dtype)
-        if num_decodes > 0:
-            self._decode(query, kv_cache, metadata, num_decodes, scale, output, kv_scales)
-        if num_decodes == metadata.num_reqs:
-            return
-        first_token = num_decodes  # one row each
-        paged_attention(
-            query, kv_cache, metadata.block_table[num_decodes:],
-            metadata.query_start_loc[num_decodes:], metadata.seq_lens[num_decodes:],
-            metadata.num_reqs - num_decodes, metadata.num_actual_tokens, metadata.max_query_len,
-            scale, output, prefill_launch(kv_cache.dtype), kv_scales.k, kv_scales.v, first_token,
-        )  # fmt: skip
+            num_apart = decodes_apart(metadata.num_decodes, kv_cache.dtype)
+        self.forward_apart(query, kv_cache, metadata, num_apart, scale, output, kv_scales)
 
-    def _decode(
+    def forward_apart(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
-        num_reqs: int,
+        num_apart: int,
         scale: float,
         output: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        kv_scales: KVScales,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        """The split-KV kernel over the first ``num_reqs`` requests, each one query row."""
-        num_kv_heads = kv_cache.shape[3]
-        num_splits = choose_num_splits(
-            num_reqs, num_kv_heads, metadata.max_seq_len, self.target_programs,
-            self.min_keys_per_split,
+        """``forward``'s launches, with the first ``num_apart`` requests (one query row each)
+        on the split-KV kernel and the rest on the varlen kernel, whose rows then start at
+        ``num_apart``. ``forward`` picks ``num_apart``; ``benchmarks/mixed_attention.py`` times
+        both ways."""
+        if num_apart > 0:
+            num_kv_heads = kv_cache.shape[3]
+            num_splits = choose_num_splits(
+                num_apart, num_kv_heads, metadata.max_seq_len, self.target_programs,
+                self.min_keys_per_split,
+            )  # fmt: skip
+            launch = decode_launch(
+                num_splits, num_apart * num_kv_heads, self.target_programs, kv_cache.dtype
+            )
+            paged_attention_split_kv(
+                query, kv_cache, *_request_rows(metadata, 0, num_apart), num_apart, scale,
+                output, num_splits, launch, kv_scales.k, kv_scales.v,
+            )  # fmt: skip
+        if num_apart == metadata.num_reqs:
+            return
+        paged_attention(
+            query, kv_cache, *_request_rows(metadata, num_apart, metadata.num_reqs),
+            metadata.num_reqs - num_apart, metadata.num_actual_tokens, metadata.max_query_len,
+            scale, output, prefill_launch(kv_cache.dtype), kv_scales.k, kv_scales.v, num_apart,
         )  # fmt: skip
-        launch = decode_launch(
-            num_splits, num_reqs * num_kv_heads, self.target_programs, kv_cache.dtype
-        )
-        whole = num_reqs == metadata.num_reqs
-        paged_attention_split_kv(
-            query, kv_cache,
-            metadata.block_table if whole else metadata.block_table[:num_reqs],
-            metadata.query_start_loc if whole else metadata.query_start_loc[: num_reqs + 1],
-            metadata.seq_lens if whole else metadata.seq_lens[:num_reqs],
-            num_reqs, scale, output, num_splits, launch, kv_scales.k, kv_scales.v,
-        )  # fmt: skip
+
+
+def _request_rows(
+    metadata: AttentionMetadata, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_table, query_start_loc, seq_lens) of requests ``start:stop``; the tensors
+    themselves when that is all of them."""
+    if start == 0 and stop == metadata.num_reqs:
+        return metadata.block_table, metadata.query_start_loc, metadata.seq_lens
+    return (metadata.block_table[start:stop], metadata.query_start_loc[start : stop + 1],
+            metadata.seq_lens[start:stop])  # fmt: skip
