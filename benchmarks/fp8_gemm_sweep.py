@@ -1,4 +1,4 @@
-"""FP8 GEMMs against bf16 at the Llama-3-8B linear shapes: cuBLAS both ways and a Triton kernel.
+"""FP8 GEMMs against bf16 at the Llama-3-8B linear shapes: cuBLAS both ways and two Triton kernels.
 
     python benchmarks/fp8_gemm_sweep.py --out DIR [--ms 16,64,...] [--shapes qkv,o,...]
 
@@ -7,10 +7,13 @@ For M (tokens) in 16 .. 8192 and the weights of qkv [6144, 4096], o_proj [4096, 
 matmul ceilings, bf16 and FP8), times
 - ``bf16``: ``F.linear`` in bf16;
 - ``rowwise``: ``torch._scaled_mm`` with a scale per token and per output channel (the
-  engine's FP8 linears, ``fp8_ops.scaled_mm``);
+  engine's FP8 linears below ``fp8_ops.PERSISTENT_MIN_ROWS`` tokens, ``fp8_ops.scaled_mm``);
 - ``tensorwise``: ``torch._scaled_mm`` with one scale per operand;
 - ``triton <config>``: ``kernels/fp8_gemm.py`` (row-wise scales) for every launch shape of
-  ``FP8_GEMM_CONFIGS``.
+  ``FP8_GEMM_CONFIGS``;
+- ``tma <config>``: its persistent variant, operands loaded by TMA (``fp8_gemm_persistent``;
+  the engine's from ``PERSISTENT_MIN_ROWS`` tokens up, at the first of ``PERSISTENT_CONFIGS``),
+  for every launch shape of ``PERSISTENT_CONFIGS``, at M >= ``PERSISTENT_MIN_M``.
 The activation comes quantized (the engine quantizes it in the RMSNorm / SiLU-and-mul kernel
 before the linear), so only the product is timed. Each timing replays a CUDA graph of the
 product over several distinct weight copies (together at least ``ROTATE_BYTES``, several times
@@ -19,7 +22,8 @@ Each FP8 result is checked once against the fp32 product of its dequantized oper
 (relative error; ``"ok": false`` past 1e-2).
 
 Writes one JSON line per (shape, M, variant) to DIR/fp8_gemm_sweep.jsonl and prints, last, a
-table of TFLOP/s and the ratio to bf16 per shape and M (Triton: its best launch shape).
+table of TFLOP/s and the ratio to bf16 per shape and M (each Triton kernel: its best launch
+shape).
 """
 
 from __future__ import annotations
@@ -34,12 +38,19 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.entrypoints.bench.graph_timing import graph_time_ms
-from pagedserve.kernels.fp8_gemm import FP8_GEMM_CONFIGS, Fp8GemmConfig, fp8_gemm
+from pagedserve.kernels.fp8_gemm import (
+    FP8_GEMM_CONFIGS,
+    PERSISTENT_CONFIGS,
+    Fp8GemmConfig,
+    fp8_gemm,
+    fp8_gemm_persistent,
+)
 from pagedserve.layers.quantization.fp8_ops import FP8_DTYPE, FP8_MAX, quantize_rows, scaled_mm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "square": (8192, 8192)}  # fmt: skip
 MS = (16, 64, 128, 256, 512, 1024, 4096, 8192)
+PERSISTENT_MIN_M = 512
 SQUARE_M = 8192  # the square shape runs at this M only: the ceiling measurement
 ROTATE_BYTES = 256 << 20
 MAX_REL_ERR = 1e-2
@@ -78,13 +89,18 @@ def variants(ops: Operands) -> dict[str, Callable[[int], torch.Tensor]]:
         "tensorwise": lambda i: scaled_mm(*ops.x_tensor, *ops.w_tensor[i]),
     }
     for cfg in FP8_GEMM_CONFIGS:
-        out[f"triton {config_name(cfg)}"] = triton_product(ops, cfg)
+        out[f"triton {config_name(cfg)}"] = triton_product(ops, fp8_gemm, cfg)
+    if ops.xq.shape[0] >= PERSISTENT_MIN_M:
+        for cfg in PERSISTENT_CONFIGS:
+            out[f"tma {config_name(cfg)}"] = triton_product(ops, fp8_gemm_persistent, cfg)
     return out
 
 
-def triton_product(ops: Operands, cfg: Fp8GemmConfig) -> Callable[[int], torch.Tensor]:
+def triton_product(
+    ops: Operands, gemm: Callable[..., torch.Tensor], cfg: Fp8GemmConfig
+) -> Callable[[int], torch.Tensor]:
     def product(i: int) -> torch.Tensor:
-        return fp8_gemm(ops.xq, ops.x_rows, ops.wq[i], ops.w_rows[i], cfg)
+        return gemm(ops.xq, ops.x_rows, ops.wq[i], ops.w_rows[i], cfg)
 
     return product
 
@@ -145,18 +161,26 @@ def cell(r: dict | None, bf16_tflops: float) -> str:
     return f"{r['tflops']:.0f} ({r['tflops'] / bf16_tflops:.2f}x){flag}"
 
 
+def best_of(mine: dict[str, dict], prefix: str) -> tuple[dict | None, str]:
+    """The fastest correct variant named ``prefix...`` and its launch shape."""
+    ok = [r for name, r in mine.items() if name.startswith(prefix) and r["ok"]]
+    best = max(ok, key=lambda r: r["tflops"], default=None)
+    return best, best["variant"].removeprefix(prefix) if best else "-"
+
+
 def table(rows: list[dict]) -> list[str]:
     """TFLOP/s per (shape, M): bf16, rowwise, tensorwise, best Triton; FP8 ones x bf16."""
     lines = ["| shape | M | bf16 | rowwise _scaled_mm | tensorwise _scaled_mm | Triton best | "
-             "Triton launch |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "Triton launch | TMA best | TMA launch |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for shape, m in dict.fromkeys((r["shape"], r["m"]) for r in rows):
         mine = {r["variant"]: r for r in rows if r["shape"] == shape and r["m"] == m}
         base = mine["bf16"]["tflops"]
-        triton_rows = [r for name, r in mine.items() if name.startswith("triton") and r["ok"]]
-        best = max(triton_rows, key=lambda r: r["tflops"], default=None)
-        launch = best["variant"].removeprefix("triton ") if best else "-"
+        best, launch = best_of(mine, "triton ")
+        best_tma, launch_tma = best_of(mine, "tma ")
         lines.append(f"| {shape} | {m} | {base:.0f} | {cell(mine['rowwise'], base)} | "
-                     f"{cell(mine['tensorwise'], base)} | {cell(best, base)} | {launch} |")  # fmt: skip
+                     f"{cell(mine['tensorwise'], base)} | {cell(best, base)} | {launch} | "
+                     f"{cell(best_tma, base)} | {launch_tma} |")  # fmt: skip
     return lines
 
 

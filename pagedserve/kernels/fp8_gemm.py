@@ -12,8 +12,13 @@ A per-tensor scale is read through a stride of 0, so both scalings run the same 
 Programs are ordered in groups of GROUP_M row tiles, so consecutive programs share the same
 ``b`` tiles in L2 (the weight is the large operand at decode-sized M).
 
-This is the candidate ``benchmarks/fp8_gemm_sweep.py`` times against ``torch._scaled_mm``;
-the engine's FP8 linears call ``_scaled_mm`` (``layers/quantization/fp8_ops.py``).
+``fp8_gemm_persistent`` computes the same product with one wave of programs (one per SM), each
+looping over output tiles, its operand tiles loaded by the tensor memory accelerator (TMA,
+zero-filled past the edges; Hopper and newer) and its output tile stored by it (clipped at
+the edges). The engine's FP8 linear layers run it for prefill-sized products
+(``layers/quantization/fp8_ops.PERSISTENT_MIN_ROWS``), ``torch._scaled_mm`` below that.
+
+``benchmarks/fp8_gemm_sweep.py`` times both kernels against ``torch._scaled_mm``.
 """
 
 from __future__ import annotations
@@ -61,6 +66,17 @@ FP8_GEMM_CONFIGS = (
     Fp8GemmConfig(128, 256, 128, 8, 8, 3),
 )
 DEFAULT_FP8_GEMM_CONFIG = FP8_GEMM_CONFIGS[4]
+# Launch shapes of the persistent TMA kernel (prefill-sized M): each fits a Hopper SM's 227 KB
+# of shared memory with its pipeline stages and the staged output tile. The first is the
+# engine's: in benchmarks/fp8_gemm_sweep.py on an H100 the fastest of these at M >= 1,024 on
+# Llama-3-8B's shapes but for three cases within 10% of the fastest (docs/gpu.md#fp8-gemms).
+PERSISTENT_CONFIGS = (
+    Fp8GemmConfig(128, 256, 128, 8, 8, 3),
+    Fp8GemmConfig(128, 256, 64, 8, 8, 4),
+    Fp8GemmConfig(128, 128, 128, 8, 8, 4),
+    Fp8GemmConfig(128, 128, 128, 8, 4, 4),
+    Fp8GemmConfig(256, 128, 128, 8, 8, 3),
+)
 
 
 @triton.jit
@@ -122,6 +138,21 @@ def _scale_stride(scale: torch.Tensor, rows: int, name: str) -> int:
     return 1
 
 
+def _check_operands(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> tuple[int, int, int, int, int]:
+    """(M, N, K, a_scale's stride, b_scale's stride) of valid operands; ValueError naming the
+    operand else."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != FP8_DTYPE or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name}: a row-major float8_e4m3fn matrix, got {t.dtype} "
+                             f"{list(t.shape)} strides {t.stride()}")  # fmt: skip
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"b: K = {b.shape[1]} differs from a's {k}")
+    return m, n, k, _scale_stride(a_scale, m, "a_scale"), _scale_stride(b_scale, n, "b_scale")
+
+
 def fp8_gemm(
     a: torch.Tensor,  # float8_e4m3fn [M, K]
     a_scale: torch.Tensor,  # fp32 [M, 1] or one element
@@ -130,15 +161,7 @@ def fp8_gemm(
     config: Fp8GemmConfig = DEFAULT_FP8_GEMM_CONFIG,
 ) -> torch.Tensor:
     """(a * a_scale) @ (b * b_scale)^T as bf16 [M, N]; rows of ``a`` and ``b`` contiguous."""
-    for name, t in (("a", a), ("b", b)):
-        if t.dtype != FP8_DTYPE or t.dim() != 2 or t.stride(1) != 1:
-            raise ValueError(f"{name}: a row-major float8_e4m3fn matrix, got {t.dtype} "
-                             f"{list(t.shape)} strides {t.stride()}")  # fmt: skip
-    (m, k), n = a.shape, b.shape[0]
-    if b.shape[1] != k:
-        raise ValueError(f"b: K = {b.shape[1]} differs from a's {k}")
-    stride_as = _scale_stride(a_scale, m, "a_scale")
-    stride_bs = _scale_stride(b_scale, n, "b_scale")
+    m, n, k, stride_as, stride_bs = _check_operands(a, a_scale, b, b_scale)
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)  # [M, N]
     if m == 0 or n == 0:
         return out
@@ -151,3 +174,84 @@ def fp8_gemm(
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return out
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _fp8_gemm_persistent_kernel(
+    a_desc,  # TMA descriptor of float8 [M, K], blocks [BLOCK_M, BLOCK_K]
+    b_desc,  # TMA descriptor of float8 [N, K], blocks [BLOCK_N, BLOCK_K]
+    out_desc,  # TMA descriptor of bf16 [M, N], blocks [BLOCK_M, BLOCK_N]
+    a_scale_ptr,  # fp32 [M] (stride 1) or [1] (stride 0)
+    b_scale_ptr,  # fp32 [N] (stride 1) or [1] (stride 0)
+    M,
+    N,
+    K,
+    stride_as,
+    stride_bs,
+    num_programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    # Program p computes output tiles p, p + num_programs, ...: one wave of programs, each
+    # loading its next tile's operands while the previous tile's epilogue stores.
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
+        group = tile // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (tile % (GROUP_M * tiles_n)) % group_size
+        tile_n = (tile % (GROUP_M * tiles_n)) // group_size
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_steps):
+            a = a_desc.load([tile_m * BLOCK_M, k * BLOCK_K])  # [BLOCK_M, BLOCK_K], 0 past K
+            b = b_desc.load([tile_n * BLOCK_N, k * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+            acc = tl.dot(a, b.T, acc)
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        a_scale = tl.load(a_scale_ptr + rows * stride_as, mask=rows < M, other=0.0)
+        b_scale = tl.load(b_scale_ptr + cols * stride_bs, mask=cols < N, other=0.0)
+        out = acc * a_scale[:, None] * b_scale[None, :]
+        out_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], out.to(tl.bfloat16))  # clipped
+
+
+def fp8_gemm_persistent(
+    a: torch.Tensor,  # float8_e4m3fn [M, K]
+    a_scale: torch.Tensor,  # fp32 [M, 1] or one element
+    b: torch.Tensor,  # float8_e4m3fn [N, K]
+    b_scale: torch.Tensor,  # fp32 [N, 1] or one element
+    config: Fp8GemmConfig = PERSISTENT_CONFIGS[0],
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """``fp8_gemm`` with the operands loaded by the tensor memory accelerator (TMA: one
+    instruction per tile, edges filled with zeros) and one wave of ``num_programs`` programs
+    (default: one per SM) looping over the output tiles. Rows of ``a``, ``b`` and the output
+    must start 16-byte aligned (K and N multiples of 16)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n, k, stride_as, stride_bs = _check_operands(a, a_scale, b, b_scale)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)  # [M, N]
+    if m == 0 or n == 0:
+        return out
+    c = config
+    a_desc = TensorDescriptor.from_tensor(a, [c.block_m, c.block_k])
+    b_desc = TensorDescriptor.from_tensor(b, [c.block_n, c.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    programs = min(tiles, num_programs or _num_sms(a.device))
+    _fp8_gemm_persistent_kernel[(programs,)](
+        a_desc, b_desc, out_desc, a_scale, b_scale, m, n, k, stride_as, stride_bs, programs,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the interpreter's CPU: 4)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

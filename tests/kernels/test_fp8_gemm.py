@@ -1,5 +1,5 @@
-"""The Triton FP8 GEMM against the product of its dequantized operands in float64, row-wise
-and per-tensor scales, ragged edges in M, N and K. Runs under the interpreter in CI, compiled
+"""The Triton FP8 GEMMs (per-tile and persistent TMA) against the product of their dequantized
+operands in float64, row-wise and per-tensor scales, ragged edges in M, N and K. Runs under the interpreter in CI, compiled
 on a GPU with ``TRITON_INTERPRET=0``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from pagedserve.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
+from pagedserve.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_persistent
 from pagedserve.layers.quantization.fp8_ops import FP8_MAX, quantize_rows
 
 SMALL = Fp8GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2)
@@ -26,14 +26,28 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(37, 70, 100), (16, 32, 64)])
-def test_rowwise_scales(m: int, n: int, k: int) -> None:
+def _rowwise_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """(a float8 [M, K], a_scale [M, 1], b float8 [N, K], b_scale [N, 1]) on the CPU."""
     a, a_scale = quantize_rows(torch.randn(m, k) * 3)
     b, b_scale = quantize_rows(torch.randn(n, k) * 0.02)
-    a_scale, b_scale = a_scale.unsqueeze(1), b_scale.unsqueeze(1)  # [M, 1], [N, 1]
-    out = fp8_gemm(a.to(DEVICE), a_scale.to(DEVICE), b.to(DEVICE), b_scale.to(DEVICE), SMALL)
+    return a, a_scale.unsqueeze(1), b, b_scale.unsqueeze(1)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(37, 70, 100), (16, 32, 64)])
+def test_rowwise_scales(m: int, n: int, k: int) -> None:
+    operands = _rowwise_operands(m, n, k)
+    out = fp8_gemm(*(t.to(DEVICE) for t in operands), SMALL)
     # fp32 sums of exact FP8 products, one bf16 rounding at the end
-    assert _rel_err(out, _reference(a, a_scale, b, b_scale)) < 5e-3
+    assert _rel_err(out, _reference(*operands)) < 5e-3
+
+
+@pytest.mark.parametrize(("m", "n", "k", "programs"), [(37, 80, 96, 3), (100, 48, 160, 2)])
+def test_persistent_kernel_covers_every_tile(m: int, n: int, k: int, programs: int) -> None:
+    """Fewer programs than output tiles (3 x 3 and 7 x 2 here): each loops over several,
+    and the tiles past M, N and K's edges are zero-filled on load and clipped on store."""
+    operands = _rowwise_operands(m, n, k)
+    out = fp8_gemm_persistent(*(t.to(DEVICE) for t in operands), SMALL, num_programs=programs)
+    assert _rel_err(out, _reference(*operands)) < 5e-3
 
 
 def test_per_tensor_scales() -> None:

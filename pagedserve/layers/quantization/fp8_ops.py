@@ -1,7 +1,8 @@
 """FP8 (e4m3) arithmetic: row-wise quantization and the two ways an FP8 linear computes.
 
-``scaled_mm_linear`` runs on FP8 tensor cores (``torch._scaled_mm``, row-wise scaling: one
-scale per token of the activation, one per output channel of the weight).
+``scaled_mm_linear`` runs on FP8 tensor cores with row-wise scaling (one scale per token of
+the activation, one per output channel of the weight): ``torch._scaled_mm``, or at prefill
+sizes on Hopper the persistent TMA kernel of ``kernels/fp8_gemm.py`` (``PERSISTENT_MIN_ROWS``).
 ``dequantized_linear`` is the reference and the CPU path: the weight dequantized into the
 compute dtype, then an ordinary matmul (the activation stays unquantized).
 
@@ -89,6 +90,37 @@ def _row_kernel_for(
     return fp8_kernels().quantize_rows if x.is_cuda and triton_available() else None
 
 
+PERSISTENT_MIN_ROWS = 1024
+"""Products of at least this many tokens (prefill steps) run ``kernels/fp8_gemm.py``'s
+persistent TMA kernel where the card has TMA; smaller ones, and cards without it, run
+``torch._scaled_mm``. From this size up the kernel was the faster of the two on Llama-3-8B's
+linear shapes, but for qkv at this very size; below it, slower on some (docs/gpu.md#fp8-gemms)."""
+
+
+def _rows_product(xq: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The row-wise FP8 product for xq's token count and device (``PERSISTENT_MIN_ROWS``)."""
+    if xq.shape[0] >= PERSISTENT_MIN_ROWS and _has_tma(xq.device):
+        return _persistent_product
+    return scaled_mm
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """A CUDA card with the tensor memory accelerator (compute capability 9.0 or newer) and
+    Triton to drive it."""
+    return (device.type == "cuda" and triton_available()
+            and torch.cuda.get_device_capability(device) >= (9, 0))  # fmt: skip
+
+
+def _persistent_product(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """``scaled_mm`` on the persistent TMA kernel: bf16 [M, N]."""
+    from pagedserve.kernels.fp8_gemm import fp8_gemm_persistent
+
+    return fp8_gemm_persistent(xq, x_scale, weight, weight_scale.view(-1, 1))
+
+
 def quantize_static(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """t [R, C] with one given scale (fp32 [1]) -> float8_e4m3fn [R, C]."""
     return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -149,7 +181,7 @@ def _scaled_mm_rows(
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """xq float8 [M, K] with x_scale fp32 [M, 1] -> [M, N] in ``out_dtype``."""
-    out = scaled_mm(xq, x_scale, weight, weight_scale).to(out_dtype)  # [M, N]
+    out = _rows_product(xq)(xq, x_scale, weight, weight_scale).to(out_dtype)  # [M, N]
     if bias is not None:
         out = out + bias
     return out

@@ -26,6 +26,7 @@ from pagedserve.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     FP8_MAX,
     MIN_SCALE,
+    PERSISTENT_MIN_ROWS,
     dequantize_rows,
     quantize_rows,
     quantize_static,
@@ -183,11 +184,12 @@ def _fp8_gpu() -> bool:
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 tensor cores")
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("m", [1, 7, 64, PERSISTENT_MIN_ROWS + 76])
 def test_scaled_mm_matches_the_dequantized_reference(static: bool, dtype: torch.dtype,
                                                      m: int) -> None:
     """The FP8 tensor-core path against fp32 math on the same quantized operands: the
-    activation quantized per token (or with the static scale) as the kernel's input is."""
+    activation quantized per token (or with the static scale) as the kernel's input is. The
+    largest M runs the persistent TMA kernel on a Hopper card, the others ``_scaled_mm``."""
     torch.manual_seed(0)
     cuda = torch.device("cuda")
     x = torch.randn(m, 256, device=cuda).to(dtype)
