@@ -10,6 +10,21 @@ Integer arguments that change from step to step (``num_reqs``, padded token coun
 a value is 1 or a multiple of 16, in the middle of serving, where the compile stalls a step
 (docs/gpu.md#host-side-stalls)."""
 
+import torch
+
 from pagedserve.kernels import interpreter_compat
 
 interpreter_compat.apply()
+
+DEFAULT_SMS = 4
+"""The SM count assumed where no CUDA device tells its own (interpreter runs on the CPU)."""
+
+
+def sm_count(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of ``device`` (None: the current CUDA device, if any), sizing
+    launches that aim at a number of programs per SM."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is None or device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

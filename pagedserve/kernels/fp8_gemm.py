@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import sm_count
+
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -80,6 +82,27 @@ PERSISTENT_CONFIGS = (
 
 
 @triton.jit
+def _grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(tile_m, tile_n) of output tile number ``tile``, numbered down groups of GROUP_M row
+    tiles so consecutive tiles share ``b``'s column tiles."""
+    group = tile // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (tile % (GROUP_M * tiles_n)) % group_size
+    tile_n = (tile % (GROUP_M * tiles_n)) // group_size
+    return tile_m, tile_n
+
+
+@triton.jit
+def _scaled(acc, rows, cols, a_scale_ptr, b_scale_ptr, M, N, stride_as, stride_bs):
+    """acc [BLOCK_M, BLOCK_N] of output rows ``rows`` and columns ``cols`` times
+    a_scale[row] * b_scale[col] (a stride of 0: one scale for the tensor)."""
+    a_scale = tl.load(a_scale_ptr + rows * stride_as, mask=rows < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr + cols * stride_bs, mask=cols < N, other=0.0)
+    return acc * a_scale[:, None] * b_scale[None, :]
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr,  # float8 [M, K]
     b_ptr,  # float8 [N, K]
@@ -99,15 +122,9 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
-    tile_n = (pid % (GROUP_M * tiles_n)) // group_size
-
+    tile_m, tile_n = _grouped_tile(
+        tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M
+    )
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -120,9 +137,7 @@ def _fp8_gemm_kernel(
         b = tl.load(b_tile + k, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc)
 
-    a_scale = tl.load(a_scale_ptr + rows * stride_as, mask=rows < M, other=0.0)
-    b_scale = tl.load(b_scale_ptr + cols * stride_bs, mask=cols < N, other=0.0)
-    out = acc * a_scale[:, None] * b_scale[None, :]
+    out = _scaled(acc, rows, cols, a_scale_ptr, b_scale_ptr, M, N, stride_as, stride_bs)
     dst = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(dst, out.to(tl.bfloat16), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -200,11 +215,7 @@ def _fp8_gemm_persistent_kernel(
     # Program p computes output tiles p, p + num_programs, ...: one wave of programs, each
     # loading its next tile's operands while the previous tile's epilogue stores.
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
-        group = tile // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        group_size = tl.minimum(tiles_m - first_m, GROUP_M)
-        tile_m = first_m + (tile % (GROUP_M * tiles_n)) % group_size
-        tile_n = (tile % (GROUP_M * tiles_n)) // group_size
+        tile_m, tile_n = _grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_steps):
             a = a_desc.load([tile_m * BLOCK_M, k * BLOCK_K])  # [BLOCK_M, BLOCK_K], 0 past K
@@ -212,9 +223,7 @@ def _fp8_gemm_persistent_kernel(
             acc = tl.dot(a, b.T, acc)
         rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        a_scale = tl.load(a_scale_ptr + rows * stride_as, mask=rows < M, other=0.0)
-        b_scale = tl.load(b_scale_ptr + cols * stride_bs, mask=cols < N, other=0.0)
-        out = acc * a_scale[:, None] * b_scale[None, :]
+        out = _scaled(acc, rows, cols, a_scale_ptr, b_scale_ptr, M, N, stride_as, stride_bs)
         out_desc.store([tile_m * BLOCK_M, tile_n * BLOCK_N], out.to(tl.bfloat16))  # clipped
 
 
@@ -241,17 +250,10 @@ def fp8_gemm_persistent(
     b_desc = TensorDescriptor.from_tensor(b, [c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    programs = min(tiles, num_programs or _num_sms(a.device))
+    programs = min(tiles, num_programs or sm_count(a.device))
     _fp8_gemm_persistent_kernel[(programs,)](
         a_desc, b_desc, out_desc, a_scale, b_scale, m, n, k, stride_as, stride_bs, programs,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return out
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (the interpreter's CPU: 4)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backends.base import UNIT_KV_SCALES, AttentionMetadata, KVScales
+from pagedserve.kernels import sm_count
 from pagedserve.kernels.attention_common import FP8_KV_DTYPE, check_attention_args
 from pagedserve.kernels.paged_attention import KeyLoopLaunch, paged_attention
 from pagedserve.kernels.paged_attention_split import MAX_NUM_SPLITS, paged_attention_split_kv
@@ -31,14 +32,6 @@ SPLIT_KV_LAUNCH = KeyLoopLaunch(tile_n=128, num_warps=4, num_stages=2)
 FEW_PAIRS_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=2)
 PREFILL_LAUNCH = KeyLoopLaunch(num_stages=2)
 FP8_PREFILL_LAUNCH = KeyLoopLaunch(tile_n=64, num_warps=4, num_stages=3, block_m=128)
-# SM count assumed where no CUDA device tells its own (interpreter runs).
-_DEFAULT_SMS = 4
-
-
-def _sm_count() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return _DEFAULT_SMS
 
 
 def choose_num_splits(
@@ -99,7 +92,7 @@ class TritonBackend:
     def __init__(self, target_programs: int | None = None, min_keys_per_split: int = 128) -> None:
         if min_keys_per_split < 1:
             raise ValueError(f"min_keys_per_split: must be >= 1, got {min_keys_per_split}")
-        self.target_programs = target_programs or _PROGRAMS_PER_SM * _sm_count()
+        self.target_programs = target_programs or _PROGRAMS_PER_SM * sm_count()
         self.min_keys_per_split = min_keys_per_split
 
     def rope_and_write_kv(
