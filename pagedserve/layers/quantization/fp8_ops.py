@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from pagedserve.platform import platform_for
 from pagedserve.platform.base import triton_available
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -106,10 +107,10 @@ def _rows_product(xq: torch.Tensor) -> Callable[..., torch.Tensor]:
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """A CUDA card with the tensor memory accelerator (compute capability 9.0 or newer) and
-    Triton to drive it."""
-    return (device.type == "cuda" and triton_available()
-            and torch.cuda.get_device_capability(device) >= (9, 0))  # fmt: skip
+    """A card with the tensor memory accelerator (compute capability 9.0 or newer) and the
+    Triton kernels to drive it."""
+    platform = platform_for(device)
+    return platform.has_triton_kernels() and platform.compute_capability() >= (9, 0)
 
 
 def _persistent_product(
