@@ -20,6 +20,7 @@
  *   caches   [num_blocks, block_size, num_kv_heads, head_dim], block stride cache_block_stride
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -145,8 +146,9 @@ typedef struct {
 } StepRows;
 
 /* One decoder layer over the step's rows: s->y and s->res in, the same out. Called by every
- * thread of the step's region: each stage's loop is shared, and its closing barrier orders it
- * before the next stage's reads. buf: this thread's attention scratch. */
+ * thread of the enclosing region (the step's, or a thread's team of one for its own rows):
+ * each stage's loop is shared, and its closing barrier orders it before the next stage's
+ * reads. buf: this thread's attention scratch. */
 static void layer_step(const DecodeModel *md, const DecodeLayer *L, const StepRows *st,
                        Scratch *s, float *buf) {
     const int64_t h = md->hidden, d = md->head_dim, hq = md->num_heads * d, m = st->m;
@@ -191,16 +193,107 @@ static void *alloc_scratch(const DecodeModel *md, int64_t m, Scratch *s) {
     return base;
 }
 
-/* Every layer and the final norm, on the threads of one OpenMP region: a region per product
- * left the row operations between them to one thread while the others waited. Returns 0, or 2
- * where a thread could not allocate its attention scratch (then no thread ran a layer). */
+/* Every layer and the final norm over the step's rows, then the output into `hidden`, on the
+ * threads of the enclosing region (a team of one: all of it on this thread). */
+static void all_layers(const DecodeModel *md, const StepRows *st, Scratch *s, void *hidden,
+                       float *buf) {
+    for (int64_t l = 0; l < md->num_layers; l++) layer_step(md, &md->layers[l], st, s, buf);
+    add_norm_rows(md, md->final_norm, st->m, s);
+    const int64_t n = st->m * md->hidden;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) store(hidden, i, s->normed[i], md->is_bf16);
+}
+
+/* A row's share of a step's work, in multiply-adds per layer: its products (the same for
+ * every row) and its attention over seq_len cached tokens, each of whose multiply-adds costs
+ * ATTN_MAC_COST of a product's (it reads the cache from memory, for one row; the default
+ * model's per-stage times give 5-6, docs/cpu.md#rows-per-thread). */
+#define ATTN_MAC_COST 5
+static int64_t row_cost(const DecodeModel *md, int64_t seq_len) {
+    const int64_t h = md->hidden, hq = md->num_heads * md->head_dim;
+    const int64_t qkv_n = hq + 2 * md->num_kv_heads * md->head_dim, inter = md->intermediate;
+    const int64_t products = qkv_n * h + hq * h + 3 * inter * h;
+    return products + ATTN_MAC_COST * 2 * hq * seq_len;
+}
+
+/* The cost of rows [r0, r1): row_cost summed. */
+static int64_t rows_cost(const DecodeModel *md, const StepRows *st, int64_t r0, int64_t r1) {
+    int64_t sum = 0;
+    for (int64_t r = r0; r < r1; r++) sum += row_cost(md, st->seq_lens[r]);
+    return sum;
+}
+
+/* The first row of share t of nt: the step's rows cut into nt runs of about equal cost
+ * (row_cost), at whole blocks of PANEL_ROWS rows (a block going to the run that holds its
+ * larger half): a run's products then have no partial block but possibly its last. */
+static int64_t share_start(const DecodeModel *md, const StepRows *st, int t, int nt) {
+    const int64_t goal = rows_cost(md, st, 0, st->m) / nt * t;
+    int64_t r = 0, before = 0; /* before: the cost of rows [0, r) */
+    while (r < st->m) {
+        const int64_t end = r + PANEL_ROWS < st->m ? r + PANEL_ROWS : st->m;
+        const int64_t c = rows_cost(md, st, r, end);
+        if (before + c / 2 >= goal) break;
+        before += c;
+        r = end;
+    }
+    return r;
+}
+
+/* Rows [r0, r1) of the step as a step of their own: its tables and scratch from row r0. */
+static void rows_view(const DecodeModel *md, const StepRows *st, const Scratch *s, int64_t r0,
+                      int64_t r1, StepRows *view, Scratch *sv) {
+    const int64_t h = md->hidden, hq = md->num_heads * md->head_dim;
+    const int64_t qkv_n = hq + 2 * md->num_kv_heads * md->head_dim, inter = md->intermediate;
+    const int64_t widest = h > inter ? h : inter, elem = md->is_bf16 ? 2 : 4;
+    *view = (StepRows){r1 - r0, st->table_stride, st->positions + r0, st->slots + r0,
+                       st->block_table + r0 * st->table_stride, st->seq_lens + r0};
+    *sv = (Scratch){s->res + r0 * h, s->y + r0 * h, s->normed + r0 * h, s->qkv + r0 * qkv_n,
+                    s->gate_up + r0 * 2 * inter, s->act + r0 * inter,
+                    (char *)s->q + r0 * hq * elem, (char *)s->out + r0 * hq * elem,
+                    s->xb + r0 * widest, s->rows}; /* rows: 0.. serves any prefix */
+}
+
+/* Whether the step's rows go to the threads in runs (own_rows) rather than each stage's loop
+ * to all of them (all_layers on the team): where the rows make whole blocks of PANEL_ROWS
+ * that the threads can share equally, so that the runs' products multiply no more blocks than
+ * the stages' column split does (a thread of 12 rows runs two blocks, 8 + 4, where the column
+ * split gives each thread half of three); and for at most ROW_SPLIT_MAX_THREADS threads, as
+ * each thread reads every weight (the column split reads each weight once): measured on two
+ * cores only. */
+#define ROW_SPLIT_MAX_THREADS 2
+static int split_by_rows(int64_t m, int nt) {
+    const int64_t blocks = (m + PANEL_ROWS - 1) / PANEL_ROWS;
+    return nt > 1 && nt <= ROW_SPLIT_MAX_THREADS && blocks >= nt && blocks % nt == 0;
+}
+
+/* This thread's share of the rows through every layer, alone: no row of it depends on another
+ * thread's until the step ends, so the threads meet once a step instead of at each stage's
+ * barrier (nine a layer), where a thread that the OS has taken off its core holds up the
+ * others; and each row's activations stay in the cache of the core that made them, where
+ * the stages' column and row splits moved half of them between the cores at each stage. */
+static void own_rows(const DecodeModel *md, const StepRows *st, Scratch *s, void *hidden,
+                     float *buf) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t r0 = share_start(md, st, t, nt);
+    const int64_t r1 = t + 1 < nt ? share_start(md, st, t + 1, nt) : st->m;
+    if (r1 <= r0) return;
+    StepRows view;
+    Scratch sv;
+    rows_view(md, st, s, r0, r1, &view, &sv);
+    void *out = (char *)hidden + r0 * md->hidden * (md->is_bf16 ? 2 : 4);
+#pragma omp parallel num_threads(1) /* a team of one: every stage's loop is this thread's */
+    all_layers(md, &view, &sv, out, buf);
+}
+
+/* The step on the threads of one OpenMP region: a region per product left the row operations
+ * between them to one thread while the others waited. Returns 0, or 2 where a thread could
+ * not allocate its attention scratch (then no thread ran a layer). */
 static int run_layers(const DecodeModel *md, const StepRows *st, Scratch *s, void *hidden,
                       int num_threads) {
     const Work sizes = {.rows = s->rows, .seq_lens = st->seq_lens, .num_reqs = st->m,
                         .num_heads = md->num_heads, .num_kv_heads = md->num_kv_heads,
                         .head_dim = md->head_dim, .block_size = md->block_size};
     const size_t scratch = (size_t)scratch_floats(&sizes) * sizeof(float);
-    const int64_t n = st->m * md->hidden;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -213,13 +306,11 @@ static int run_layers(const DecodeModel *md, const StepRows *st, Scratch *s, voi
         int stop; /* the same for every thread: read after the barrier */
 #pragma omp atomic read
         stop = failed;
-        if (!stop) {
-            for (int64_t l = 0; l < md->num_layers; l++)
-                layer_step(md, &md->layers[l], st, s, buf);
-            add_norm_rows(md, md->final_norm, st->m, s);
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < n; i++) store(hidden, i, s->normed[i], md->is_bf16);
-        }
+        const int nt = omp_get_num_threads(); /* the same for every thread */
+        if (!stop && split_by_rows(st->m, nt))
+            own_rows(md, st, s, hidden, buf);
+        else if (!stop)
+            all_layers(md, st, s, hidden, buf);
         free(buf);
     }
     return failed ? 2 : 0;

@@ -104,6 +104,31 @@ def test_batches_on_packed_weights(case: str, threads: int, tmp_path) -> None:
     assert fused.c_forward._panels is not None
 
 
+SPLIT_ROWS = 30
+"""Four of panel_gemm.h's 8-row blocks, the last partial: at 2 threads cpu_decode.c gives each
+thread a run of whole blocks to take through the step on its own."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batches_split_by_rows_among_threads(dtype: torch.dtype, tmp_path) -> None:
+    """2 threads, a batch large enough for each to take its own rows through every layer (cut
+    by cost where the contexts differ): the same tokens as one thread's step, and the logits
+    within rounding (the prompts' torch layers may sum in another order on 2 threads)."""
+    prompts = [PROMPTS[i % 3][: 1 + i % 11] for i in range(SPLIT_ROWS)]
+    ours = our_tiny_model("qwen2", tmp_path, dtype=dtype)
+    torch.set_num_threads(1)
+    want = greedy_generate(DecodeInC(ours), prompts, NUM_STEPS)
+    torch.set_num_threads(2)
+    fused = DecodeInC(ours)
+    got = greedy_generate(fused, prompts, NUM_STEPS)
+    assert fused.c_forward.c_steps == NUM_STEPS - 1
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want, strict=True):
+        assert g.generated == w.generated
+        torch.testing.assert_close(torch.stack(g.logits), torch.stack(w.logits), atol=atol,
+                                   rtol=0)
+
+
 def test_batches_without_room_for_packed_weights_read_the_plain_ones(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
