@@ -9,10 +9,11 @@ matmul ceilings, bf16 and FP8), times
 - ``rowwise``: ``torch._scaled_mm`` with a scale per token and per output channel (the
   engine's FP8 linears below ``fp8_ops.PERSISTENT_MIN_ROWS`` tokens, ``fp8_ops.scaled_mm``);
 - ``tensorwise``: ``torch._scaled_mm`` with one scale per operand;
+- ``engine``: what the engine's FP8 linears run at that M (``fp8_ops.rows_product``);
 - ``triton <config>``: ``kernels/fp8_gemm.py`` (row-wise scales) for every launch shape of
   ``FP8_GEMM_CONFIGS``;
 - ``tma <config>``: its persistent variant, operands loaded by TMA (``fp8_gemm_persistent``;
-  the engine's from ``PERSISTENT_MIN_ROWS`` tokens up, at the first of ``PERSISTENT_CONFIGS``),
+  the engine's from ``PERSISTENT_MIN_ROWS`` tokens up, at ``persistent_config_for``'s pick),
   for every launch shape of ``PERSISTENT_CONFIGS``, at M >= ``PERSISTENT_MIN_M``.
 The activation comes quantized (the engine quantizes it in the RMSNorm / SiLU-and-mul kernel
 before the linear), so only the product is timed. Each timing replays a CUDA graph of the
@@ -45,12 +46,18 @@ from pagedserve.kernels.fp8_gemm import (
     fp8_gemm,
     fp8_gemm_persistent,
 )
-from pagedserve.layers.quantization.fp8_ops import FP8_DTYPE, FP8_MAX, quantize_rows, scaled_mm
+from pagedserve.layers.quantization.fp8_ops import (
+    FP8_DTYPE,
+    FP8_MAX,
+    quantize_rows,
+    rows_product,
+    scaled_mm,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "square": (8192, 8192)}  # fmt: skip
 MS = (16, 64, 128, 256, 512, 1024, 4096, 8192)
-PERSISTENT_MIN_M = 512
+PERSISTENT_MIN_M = 256
 SQUARE_M = 8192  # the square shape runs at this M only: the ceiling measurement
 ROTATE_BYTES = 256 << 20
 MAX_REL_ERR = 1e-2
@@ -87,6 +94,7 @@ def variants(ops: Operands) -> dict[str, Callable[[int], torch.Tensor]]:
         "bf16": lambda i: F.linear(ops.x16, ops.w16[i]),
         "rowwise": lambda i: scaled_mm(ops.xq, ops.x_rows, ops.wq[i], ops.w_rows[i]),
         "tensorwise": lambda i: scaled_mm(*ops.x_tensor, *ops.w_tensor[i]),
+        "engine": lambda i: rows_product(ops.xq)(ops.xq, ops.x_rows, ops.wq[i], ops.w_rows[i]),
     }
     for cfg in FP8_GEMM_CONFIGS:
         out[f"triton {config_name(cfg)}"] = triton_product(ops, fp8_gemm, cfg)
@@ -169,17 +177,19 @@ def best_of(mine: dict[str, dict], prefix: str) -> tuple[dict | None, str]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    """TFLOP/s per (shape, M): bf16, rowwise, tensorwise, best Triton; FP8 ones x bf16."""
-    lines = ["| shape | M | bf16 | rowwise _scaled_mm | tensorwise _scaled_mm | Triton best | "
-             "Triton launch | TMA best | TMA launch |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """TFLOP/s per (shape, M): bf16, rowwise, tensorwise, the engine's, best Triton; FP8 ones
+    x bf16."""
+    lines = ["| shape | M | bf16 | rowwise _scaled_mm | tensorwise _scaled_mm | engine | "
+             "Triton best | Triton launch | TMA best | TMA launch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for shape, m in dict.fromkeys((r["shape"], r["m"]) for r in rows):
         mine = {r["variant"]: r for r in rows if r["shape"] == shape and r["m"] == m}
         base = mine["bf16"]["tflops"]
         best, launch = best_of(mine, "triton ")
         best_tma, launch_tma = best_of(mine, "tma ")
         lines.append(f"| {shape} | {m} | {base:.0f} | {cell(mine['rowwise'], base)} | "
-                     f"{cell(mine['tensorwise'], base)} | {cell(best, base)} | {launch} | "
+                     f"{cell(mine['tensorwise'], base)} | {cell(mine['engine'], base)} | "
+                     f"{cell(best, base)} | {launch} | "
                      f"{cell(best_tma, base)} | {launch_tma} |")  # fmt: skip
     return lines
 

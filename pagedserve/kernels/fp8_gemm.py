@@ -15,8 +15,9 @@ Programs are ordered in groups of GROUP_M row tiles, so consecutive programs sha
 ``fp8_gemm_persistent`` computes the same product with one wave of programs (one per SM), each
 looping over output tiles, its operand tiles loaded by the tensor memory accelerator (TMA,
 zero-filled past the edges; Hopper and newer) and its output tile stored by it (clipped at
-the edges). The engine's FP8 linear layers run it for prefill-sized products
-(``layers/quantization/fp8_ops.PERSISTENT_MIN_ROWS``), ``torch._scaled_mm`` below that.
+the edges). The engine's FP8 linear layers run it from a few hundred tokens up
+(``layers/quantization/fp8_ops.PERSISTENT_MIN_ROWS``), ``torch._scaled_mm`` below that, with
+the launch shape of ``persistent_config_for``.
 
 ``benchmarks/fp8_gemm_sweep.py`` times both kernels against ``torch._scaled_mm``.
 """
@@ -68,10 +69,11 @@ FP8_GEMM_CONFIGS = (
     Fp8GemmConfig(128, 256, 128, 8, 8, 3),
 )
 DEFAULT_FP8_GEMM_CONFIG = FP8_GEMM_CONFIGS[4]
-# Launch shapes of the persistent TMA kernel (prefill-sized M): each fits a Hopper SM's 227 KB
-# of shared memory with its pipeline stages and the staged output tile. The first is the
-# engine's: in benchmarks/fp8_gemm_sweep.py on an H100 the fastest of these at M >= 1,024 on
-# Llama-3-8B's shapes but for three cases within 10% of the fastest (docs/gpu.md#fp8-gemms).
+# Launch shapes of the persistent TMA kernel (M of a few hundred tokens and up): each fits a
+# Hopper SM's 227 KB of shared memory with its pipeline stages and the staged output tile. The
+# first is the engine's wide tiles and the fourth its narrow ones (persistent_config_for): in
+# benchmarks/fp8_gemm_sweep.py on an H100 the engine's pick was the fastest of these or within
+# 10% of it on Llama-3-8B's shapes at 384-8,192 tokens (docs/gpu.md#fp8-gemms).
 PERSISTENT_CONFIGS = (
     Fp8GemmConfig(128, 256, 128, 8, 8, 3),
     Fp8GemmConfig(128, 256, 64, 8, 8, 4),
@@ -79,6 +81,25 @@ PERSISTENT_CONFIGS = (
     Fp8GemmConfig(128, 128, 128, 8, 4, 4),
     Fp8GemmConfig(256, 128, 128, 8, 8, 3),
 )
+WIDE_TILES = PERSISTENT_CONFIGS[0]
+NARROW_TILES = PERSISTENT_CONFIGS[3]
+
+
+def wave_fill(m: int, n: int, config: Fp8GemmConfig, sms: int) -> float:
+    """The share of the SM slots of all waves that hold a tile: tiles / (waves x SMs) (only
+    the last wave has idle slots)."""
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    return tiles / (triton.cdiv(tiles, sms) * sms)
+
+
+def persistent_config_for(m: int, n: int, sms: int) -> Fp8GemmConfig:
+    """The persistent kernel's launch shape for an [M, N] output on ``sms`` SMs: 128 x 256
+    tiles, or 128 x 128 ones where those fill the SM slots by more than 0.1 better
+    (``wave_fill``): an output of few tiles, mid-sized M or narrow N, where the wide tiles
+    leave SMs idle."""
+    if wave_fill(m, n, NARROW_TILES, sms) > wave_fill(m, n, WIDE_TILES, sms) + 0.1:
+        return NARROW_TILES
+    return WIDE_TILES
 
 
 @triton.jit
@@ -232,12 +253,13 @@ def fp8_gemm_persistent(
     a_scale: torch.Tensor,  # fp32 [M, 1] or one element
     b: torch.Tensor,  # float8_e4m3fn [N, K]
     b_scale: torch.Tensor,  # fp32 [N, 1] or one element
-    config: Fp8GemmConfig = PERSISTENT_CONFIGS[0],
+    config: Fp8GemmConfig | None = None,
     num_programs: int | None = None,
 ) -> torch.Tensor:
     """``fp8_gemm`` with the operands loaded by the tensor memory accelerator (TMA: one
     instruction per tile, edges filled with zeros) and one wave of ``num_programs`` programs
-    (default: one per SM) looping over the output tiles. Rows of ``a``, ``b`` and the output
+    (default: one per SM) looping over the output tiles; ``config`` defaults to
+    ``persistent_config_for`` the output. Rows of ``a``, ``b`` and the output
     must start 16-byte aligned (K and N multiples of 16)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -245,12 +267,13 @@ def fp8_gemm_persistent(
     out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)  # [M, N]
     if m == 0 or n == 0:
         return out
-    c = config
+    sms = sm_count(a.device)
+    c = config or persistent_config_for(m, n, sms)
     a_desc = TensorDescriptor.from_tensor(a, [c.block_m, c.block_k])
     b_desc = TensorDescriptor.from_tensor(b, [c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    programs = min(tiles, num_programs or sm_count(a.device))
+    programs = min(tiles, num_programs or sms)
     _fp8_gemm_persistent_kernel[(programs,)](
         a_desc, b_desc, out_desc, a_scale, b_scale, m, n, k, stride_as, stride_bs, programs,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,

@@ -8,7 +8,15 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from pagedserve.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_persistent
+from pagedserve.kernels.fp8_gemm import (
+    NARROW_TILES,
+    WIDE_TILES,
+    Fp8GemmConfig,
+    fp8_gemm,
+    fp8_gemm_persistent,
+    persistent_config_for,
+    wave_fill,
+)
 from pagedserve.layers.quantization.fp8_ops import FP8_MAX, quantize_rows
 
 SMALL = Fp8GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2)
@@ -47,6 +55,31 @@ def test_persistent_kernel_covers_every_tile(m: int, n: int, k: int, programs: i
     and the tiles past M, N and K's edges are zero-filled on load and clipped on store."""
     operands = _rowwise_operands(m, n, k)
     out = fp8_gemm_persistent(*(t.to(DEVICE) for t in operands), SMALL, num_programs=programs)
+    assert _rel_err(out, _reference(*operands)) < 5e-3
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "expected"),
+    [
+        (512, 4096, NARROW_TILES),  # 64 wide tiles fill 64 of 132 SMs, 128 narrow ones 128
+        (512, 6144, WIDE_TILES),  # 96 wide (0.73 of a wave), 192 narrow (0.73 of two)
+        (512, 28672, NARROW_TILES),  # 448 wide: 0.85 of four waves; 896 narrow: 0.97 of seven
+        (8192, 4096, WIDE_TILES),  # 1,024 wide: 0.97 of eight waves
+    ],
+)
+def test_launch_shape_fills_the_last_wave(m: int, n: int, expected: Fp8GemmConfig) -> None:
+    """On an H100's 132 SMs: 128 x 256 tiles unless 128 x 128 ones fill clearly more of the
+    last wave's SM slots."""
+    assert persistent_config_for(m, n, 132) is expected
+    assert wave_fill(512, 4096, WIDE_TILES, 132) == pytest.approx(64 / 132)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's launch shapes need a GPU's SMEM")
+@pytest.mark.parametrize("config", [WIDE_TILES, NARROW_TILES, None])
+def test_persistent_kernel_engine_launch_shapes(config: Fp8GemmConfig | None) -> None:
+    """The two launch shapes the engine picks from, and its pick (None), on ragged edges."""
+    operands = _rowwise_operands(300, 4000, 528)
+    out = fp8_gemm_persistent(*(t.to(DEVICE) for t in operands), config)
     assert _rel_err(out, _reference(*operands)) < 5e-3
 
 

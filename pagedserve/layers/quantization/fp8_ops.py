@@ -1,8 +1,8 @@
 """FP8 (e4m3) arithmetic: row-wise quantization and the two ways an FP8 linear computes.
 
 ``scaled_mm_linear`` runs on FP8 tensor cores with row-wise scaling (one scale per token of
-the activation, one per output channel of the weight): ``torch._scaled_mm``, or at prefill
-sizes on Hopper the persistent TMA kernel of ``kernels/fp8_gemm.py`` (``PERSISTENT_MIN_ROWS``).
+the activation, one per output channel of the weight): ``torch._scaled_mm``, or from a few
+hundred tokens up on Hopper the persistent TMA kernel of ``kernels/fp8_gemm.py`` (``PERSISTENT_MIN_ROWS``).
 ``dequantized_linear`` is the reference and the CPU path: the weight dequantized into the
 compute dtype, then an ordinary matmul (the activation stays unquantized).
 
@@ -91,14 +91,15 @@ def _row_kernel_for(
     return fp8_kernels().quantize_rows if x.is_cuda and triton_available() else None
 
 
-PERSISTENT_MIN_ROWS = 1024
-"""Products of at least this many tokens (prefill steps) run ``kernels/fp8_gemm.py``'s
-persistent TMA kernel where the card has TMA; smaller ones, and cards without it, run
-``torch._scaled_mm``. From this size up the kernel was the faster of the two on Llama-3-8B's
-linear shapes, but for qkv at this very size; below it, slower on some (docs/gpu.md#fp8-gemms)."""
+PERSISTENT_MIN_ROWS = 384
+"""Products of at least this many tokens (prefill steps, decode steps of large batches) run
+``kernels/fp8_gemm.py``'s persistent TMA kernel where the card has TMA; smaller ones, and
+cards without it, run ``torch._scaled_mm``. From this size up the kernel was as fast or faster
+on Llama-3-8B's linear shapes, within a few percent where slower; below it, slower on all
+four (docs/gpu.md#fp8-gemms)."""
 
 
-def _rows_product(xq: torch.Tensor) -> Callable[..., torch.Tensor]:
+def rows_product(xq: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The row-wise FP8 product for xq's token count and device (``PERSISTENT_MIN_ROWS``)."""
     if xq.shape[0] >= PERSISTENT_MIN_ROWS and _has_tma(xq.device):
         return _persistent_product
@@ -182,7 +183,7 @@ def _scaled_mm_rows(
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """xq float8 [M, K] with x_scale fp32 [M, 1] -> [M, N] in ``out_dtype``."""
-    out = _rows_product(xq)(xq, x_scale, weight, weight_scale).to(out_dtype)  # [M, N]
+    out = rows_product(xq)(xq, x_scale, weight, weight_scale).to(out_dtype)  # [M, N]
     if bias is not None:
         out = out + bias
     return out
