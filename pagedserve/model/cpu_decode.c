@@ -62,6 +62,17 @@ typedef struct {
     int64_t *rows;             /* [m]: 0..m-1 */
 } Scratch;
 
+/* Scratch's row widths that depend on the model: qkv_proj's output, (Hq + 2 Hkv) D, and xb's,
+ * the widest product input, max(hidden, I). */
+static int64_t qkv_width(const DecodeModel *md) {
+    return (md->num_heads + 2 * md->num_kv_heads) * md->head_dim;
+}
+static int64_t xb_width(const DecodeModel *md) {
+    return md->hidden > md->intermediate ? md->hidden : md->intermediate;
+}
+/* Bytes of one element in the model's dtype (q, out and the step's output). */
+static int64_t elem_bytes(const DecodeModel *md) { return md->is_bf16 ? 2 : 4; }
+
 /* xb[0:n] = x[0:n] as bf16; x holds bf16 values already (rounded), so this is exact. */
 static void to_bf16_row(const float *x, uint16_t *xb, int64_t n) {
     int64_t i = 0;
@@ -152,7 +163,7 @@ typedef struct {
 static void layer_step(const DecodeModel *md, const DecodeLayer *L, const StepRows *st,
                        Scratch *s, float *buf) {
     const int64_t h = md->hidden, d = md->head_dim, hq = md->num_heads * d, m = st->m;
-    const int64_t qkv_n = hq + 2 * md->num_kv_heads * d, inter = md->intermediate;
+    const int64_t qkv_n = qkv_width(md), inter = md->intermediate;
     const int bf = md->is_bf16;
     add_norm_rows(md, L->input_norm, m, s);
     linear(md, s->normed, s->xb, L->qkv, L->qkv_panels, L->qkv_bias, s->qkv, m, qkv_n, h);
@@ -173,8 +184,7 @@ static void layer_step(const DecodeModel *md, const DecodeLayer *L, const StepRo
 
 static void *alloc_scratch(const DecodeModel *md, int64_t m, Scratch *s) {
     const int64_t h = md->hidden, hq = md->num_heads * md->head_dim;
-    const int64_t qkv_n = hq + 2 * md->num_kv_heads * md->head_dim, inter = md->intermediate;
-    const int64_t widest = h > inter ? h : inter;
+    const int64_t qkv_n = qkv_width(md), inter = md->intermediate, widest = xb_width(md);
     const int64_t floats = m * (3 * h + qkv_n + 2 * hq + 3 * inter) + m * widest / 2 + 2 * m + 16;
     float *base = malloc((size_t)floats * sizeof(float));
     if (base == NULL) return NULL;
@@ -210,9 +220,8 @@ static void all_layers(const DecodeModel *md, const StepRows *st, Scratch *s, vo
  * model's per-stage times give 5-6, docs/cpu.md#rows-per-thread). */
 #define ATTN_MAC_COST 5
 static int64_t row_cost(const DecodeModel *md, int64_t seq_len) {
-    const int64_t h = md->hidden, hq = md->num_heads * md->head_dim;
-    const int64_t qkv_n = hq + 2 * md->num_kv_heads * md->head_dim, inter = md->intermediate;
-    const int64_t products = qkv_n * h + hq * h + 3 * inter * h;
+    const int64_t h = md->hidden, hq = md->num_heads * md->head_dim, inter = md->intermediate;
+    const int64_t products = qkv_width(md) * h + hq * h + 3 * inter * h;
     return products + ATTN_MAC_COST * 2 * hq * seq_len;
 }
 
@@ -242,9 +251,8 @@ static int64_t share_start(const DecodeModel *md, const StepRows *st, int t, int
 /* Rows [r0, r1) of the step as a step of their own: its tables and scratch from row r0. */
 static void rows_view(const DecodeModel *md, const StepRows *st, const Scratch *s, int64_t r0,
                       int64_t r1, StepRows *view, Scratch *sv) {
-    const int64_t h = md->hidden, hq = md->num_heads * md->head_dim;
-    const int64_t qkv_n = hq + 2 * md->num_kv_heads * md->head_dim, inter = md->intermediate;
-    const int64_t widest = h > inter ? h : inter, elem = md->is_bf16 ? 2 : 4;
+    const int64_t h = md->hidden, hq = md->num_heads * md->head_dim, inter = md->intermediate;
+    const int64_t qkv_n = qkv_width(md), widest = xb_width(md), elem = elem_bytes(md);
     *view = (StepRows){r1 - r0, st->table_stride, st->positions + r0, st->slots + r0,
                        st->block_table + r0 * st->table_stride, st->seq_lens + r0};
     *sv = (Scratch){s->res + r0 * h, s->y + r0 * h, s->normed + r0 * h, s->qkv + r0 * qkv_n,
@@ -280,7 +288,7 @@ static void own_rows(const DecodeModel *md, const StepRows *st, Scratch *s, void
     StepRows view;
     Scratch sv;
     rows_view(md, st, s, r0, r1, &view, &sv);
-    void *out = (char *)hidden + r0 * md->hidden * (md->is_bf16 ? 2 : 4);
+    void *out = (char *)hidden + r0 * md->hidden * elem_bytes(md);
 #pragma omp parallel num_threads(1) /* a team of one: every stage's loop is this thread's */
     all_layers(md, &view, &sv, out, buf);
 }
