@@ -13,6 +13,7 @@ a value is 1 or a multiple of 16, in the middle of serving, where the compile st
 import torch
 
 from pagedserve.kernels import interpreter_compat
+from pagedserve.platform import platform_for
 
 interpreter_compat.apply()
 
@@ -22,9 +23,10 @@ DEFAULT_SMS = 4
 
 def sm_count(device: torch.device | None = None) -> int:
     """Streaming multiprocessors of ``device`` (None: the current CUDA device, if any), sizing
-    launches that aim at a number of programs per SM."""
+    launches that aim at a number of programs per SM: the platform's ``multiprocessor_count``
+    on CUDA, ``DEFAULT_SMS`` elsewhere (the interpreter's launches still split work)."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if device is None or device.type != "cuda":
         return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return platform_for(device).multiprocessor_count()

@@ -85,10 +85,15 @@ WIDE_TILES = PERSISTENT_CONFIGS[0]
 NARROW_TILES = PERSISTENT_CONFIGS[3]
 
 
+def output_tiles(m: int, n: int, config: Fp8GemmConfig) -> int:
+    """Output tiles of an [M, N] product at ``config``'s tile shape."""
+    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+
+
 def wave_fill(m: int, n: int, config: Fp8GemmConfig, sms: int) -> float:
     """The share of the SM slots of all waves that hold a tile: tiles / (waves x SMs) (only
     the last wave has idle slots)."""
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    tiles = output_tiles(m, n, config)
     return tiles / (triton.cdiv(tiles, sms) * sms)
 
 
@@ -272,8 +277,7 @@ def fp8_gemm_persistent(
     a_desc = TensorDescriptor.from_tensor(a, [c.block_m, c.block_k])
     b_desc = TensorDescriptor.from_tensor(b, [c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
-    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    programs = min(tiles, num_programs or sms)
+    programs = min(output_tiles(m, n, c), num_programs or sms)
     _fp8_gemm_persistent_kernel[(programs,)](
         a_desc, b_desc, out_desc, a_scale, b_scale, m, n, k, stride_as, stride_bs, programs,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,

@@ -3,6 +3,7 @@ compiled steps and CUDA graphs, pinned host buffers, FP8 from compute capability
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -117,7 +118,7 @@ class CudaPlatform(Platform):
         return torch.cuda.memory_allocated(self.device)
 
     def multiprocessor_count(self) -> int:
-        return torch.cuda.get_device_properties(self.device).multi_processor_count
+        return _multiprocessor_count(self.device)
 
     def compute_capability(self) -> tuple[int, int]:
         return torch.cuda.get_device_capability(self.device)
@@ -139,3 +140,9 @@ class CudaPlatform(Platform):
         """``scaled_mm``, where the card has FP8 (``require_fp8``)."""
         self.require_fp8("quantization")
         return "scaled_mm"
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    """Asked of the driver once per device: kernel launches on the step's path size by it."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
