@@ -16,8 +16,10 @@
  * its weights from cache.
  *
  * Layout (panel_pack in model/cpu_decode.py): n padded to a multiple of 16 with zero columns,
- * panel p holds columns 16p..16p+15: bf16 [k/2][16][2] (k even), fp32 [k][16]. AVX512F only
- * (with AVX512-BF16 for bf16 weights); PANEL_AVAILABLE says whether this build has it.
+ * panel p holds columns 16p..16p+15: bf16 [k/2][16][2] (k even), fp32 [k][16]. fp32 weights
+ * need AVX512F or AVX2 with FMA, bf16 ones AVX512-BF16; PANEL_F32 and PANEL_BF16 say whether
+ * this build has the kernel. With AVX2 a panel's 16 columns are two 8-lane vectors, and a block
+ * is 6 rows of one panel: 12 accumulators of the 16 vector registers.
  */
 #ifndef PAGEDSERVE_PANEL_GEMM_H
 #define PAGEDSERVE_PANEL_GEMM_H
@@ -26,18 +28,25 @@
 
 #include "cpu_kernels.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define PANEL_COLS 16
-#define PANEL_ROWS 8  /* rows of x per block */
-#define PANEL_GROUP 2 /* panels per block: PANEL_ROWS x PANEL_GROUP accumulators */
 
 #if defined(__AVX512F__)
 #define PANEL_F32 1
+#define PANEL_ROWS 8  /* rows of x per block */
+#define PANEL_GROUP 2 /* panels per block: PANEL_ROWS x PANEL_GROUP accumulators */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PANEL_F32 1
+#define PANEL_AVX2 1
+#define PANEL_ROWS 6
+#define PANEL_GROUP 1
 #else
 #define PANEL_F32 0
+#define PANEL_ROWS 8 /* blocks of the decode step's rows (cpu_decode.c), no kernel here */
+#define PANEL_GROUP 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PANEL_BF16 1
@@ -45,7 +54,7 @@
 #define PANEL_BF16 0
 #endif
 
-#if PANEL_F32
+#if PANEL_F32 && !defined(PANEL_AVX2)
 /* acc[r][g] = x[r] . columns of panel g, for r < R, g < G; xs: x's rows (fp32 [R, k] or bf16
  * pairs), wp: the group's first panel; pf: the next group's first panel, prefetched into L2
  * alongside (NULL: none). */
@@ -127,6 +136,73 @@ static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const
     }
 #undef PANEL_R
 #undef PANEL_RG
+}
+#endif
+
+#if defined(PANEL_AVX2)
+/* AVX2, fp32 weights: acc[r][h] = x[r] . columns 8h..8h+7 of the panel, for r < R; pf as
+ * above. The sums live in a local array written to acc once: with acc itself GCC kept every
+ * sum in memory too, a store per multiply-add. */
+ALWAYS_INLINE void panel_block_avx2(const float *x, const float *wp, const char *pf, int64_t k,
+                                    const int R, __m256 acc[PANEL_ROWS][2]) {
+    /* Without a next group, the prefetches ask for this one's lines (no branch in the loop:
+     * 16 registers leave none for the compiler to spare). */
+    const char *ahead = pf != NULL ? pf : (const char *)wp;
+    __m256 sum[PANEL_ROWS][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        const __m256 w0 = _mm256_loadu_ps(wp + i * 16), w1 = _mm256_loadu_ps(wp + i * 16 + 8);
+        _mm_prefetch(ahead + 4 * i * 16, _MM_HINT_T1); /* one line per k */
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * k + i);
+            sum[r][0] = _mm256_fmadd_ps(xv, w0, sum[r][0]);
+            sum[r][1] = _mm256_fmadd_ps(xv, w1, sum[r][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) acc[r][0] = sum[r][0], acc[r][1] = sum[r][1];
+}
+
+/* y's columns col..col+15 of R rows (those past n dropped) plus the bias (fp32). */
+ALWAYS_INLINE void panel_store_avx2(__m256 acc[PANEL_ROWS][2], const float *bias, float *y,
+                                    int64_t col, int64_t n, const int R) {
+    const int64_t cols = n - col < PANEL_COLS ? n - col : PANEL_COLS;
+    float b[PANEL_COLS] = {0};
+    if (bias != NULL) memcpy(b, bias + col, (size_t)cols * sizeof(float));
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int r = 0; r < R; r++) {
+        float *yr = y + r * n + col;
+        const __m256 lo = _mm256_add_ps(acc[r][0], b0), hi = _mm256_add_ps(acc[r][1], b1);
+        if (cols == PANEL_COLS) {
+            _mm256_storeu_ps(yr, lo);
+            _mm256_storeu_ps(yr + 8, hi);
+        } else {
+            float row[PANEL_COLS];
+            _mm256_storeu_ps(row, lo);
+            _mm256_storeu_ps(row + 8, hi);
+            memcpy(yr, row, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+/* A block of R rows of one panel; a copy per R keeps the accumulators in registers. */
+static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const char *pf,
+                       const void *bias, float *y, int64_t col, int64_t n, int64_t k,
+                       int is_bf16, int R, int G) {
+    (void)xb, (void)is_bf16, (void)G; /* fp32 only, one panel a block */
+    __m256 acc[PANEL_ROWS][2];
+#define PANEL_R(RR)                                                                    \
+    case RR:                                                                           \
+        panel_block_avx2(x, (const float *)wp, pf, k, RR, acc);                        \
+        panel_store_avx2(acc, (const float *)bias, y, col, n, RR);                     \
+        return;
+    switch (R) {
+    PANEL_R(1) PANEL_R(2) PANEL_R(3) PANEL_R(4) PANEL_R(5)
+    default: PANEL_R(6)
+    }
+#undef PANEL_R
 }
 #endif
 

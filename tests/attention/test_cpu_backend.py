@@ -103,13 +103,17 @@ def test_block_sizes_and_wide_groups(
 def test_softmax_of_equal_and_far_apart_scores(spread: float) -> None:
     """fp32 softmax rows of every length mod 16 (its 16-lane steps end masked): keys all equal
     (uniform weights), and scores hundreds apart, where the inline e^x of the smaller ones
-    falls below fp32's normal range and clamps at e^-100 (their weights are 0 to fp32)."""
+    falls below fp32's normal range and clamps at e^-100 (their weights are 0 to fp32). The
+    reference runs in fp64: a score of hundreds carries fp32 rounding of ~1e-5, a relative
+    error of each weight, which both the torch reference in fp32 and the kernel show (2e-5 seen
+    in either), so those rows are held to 1e-4."""
     seq_lens = list(range(1, 34))
     query, kv_cache, metadata = _decode_batch(seq_lens, 9, 3, 64, torch.float32)
     kv_cache[0] = kv_cache[0] * spread if spread else 1.0
-    expected = _run(TorchRefBackend(), query, kv_cache, metadata)
+    expected = _run(TorchRefBackend(), query.double(), kv_cache.double(), metadata).float()
     got = _run(CpuBackend(KERNEL), query, kv_cache, metadata)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-4 if spread else 1e-5
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
 def _cpu_has(flag: str) -> bool:

@@ -16,8 +16,8 @@ from pagedserve.layers.panel_pack import panel_pack
 @pytest.fixture(scope="module")
 def gemm_panels() -> ctypes._CFuncPtr:
     linear = cpu_gemv.cpu_linear()
-    if not isinstance(linear, cpu_gemv.GemvKernel) or not linear.rows_vectorized:
-        pytest.skip("no AVX512F kernel here")
+    if not isinstance(linear, cpu_gemv.GemvKernel):
+        pytest.skip("no CPU kernel library here")
     fn = ctypes.CDLL(str(linear.path)).gemm_panels
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
     fn.restype = ctypes.c_int
@@ -50,7 +50,7 @@ def test_pack_of_whole_panels_is_a_copy(dtype: torch.dtype, n: int, k: int) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 19])
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 9, 12, 16, 19])  # blocks of 6 (AVX2), 8
 @pytest.mark.parametrize(("k", "n"), [(6, 13), (64, 40), (576, 960)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_sums(gemm_panels, dtype: torch.dtype, rows: int, k: int, n: int,
