@@ -4,6 +4,7 @@ boundaries, GQA, threads."""
 
 from __future__ import annotations
 
+import platform
 import random
 
 import pytest
@@ -12,7 +13,11 @@ import torch
 from pagedserve.attention.backends import cpu_native
 from pagedserve.attention.backends.base import AttentionMetadata
 from pagedserve.attention.backends.cpu import CpuBackend
-from pagedserve.attention.backends.cpu_native.prefill import load_paged_prefill_kernel
+from pagedserve.attention.backends.cpu_native.prefill import SOURCE as PREFILL_SOURCE
+from pagedserve.attention.backends.cpu_native.prefill import (
+    PagedPrefillKernel,
+    load_paged_prefill_kernel,
+)
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
 
 DECODE, PREFILL = cpu_native.load_paged_decode_kernel(), load_paged_prefill_kernel()
@@ -144,3 +149,31 @@ def test_threads_give_the_same_bits(
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     many = _run(CpuBackend(DECODE, PREFILL), query, kv_cache, metadata)  # type: ignore[arg-type]
     assert torch.equal(one, many)
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory: pytest.TempPathFactory) -> PagedPrefillKernel:
+    """The kernel built without AVX512 (x86-64-v3: AVX2 and FMA), once for the module."""
+    if platform.machine() != "x86_64":
+        pytest.skip("an x86 -march name")
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_native.COMPILE_FLAGS]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_native, "COMPILE_FLAGS", flags)
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("avx2")))
+        return PagedPrefillKernel(cpu_native.built_library(PREFILL_SOURCE))
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [
+    (9, 3, 64), (8, 2, 128), (8, 1, 80), (6, 6, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plain_path_built_for_avx2(
+    avx2_kernel: PagedPrefillKernel, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """Every head size takes the plain path there: groups of 1 to 8 heads (4 at a time),
+    64-column value passes and their tails."""
+    query, kv_cache, metadata = _step(BLOCKS[0], num_heads, num_kv_heads, head_dim, dtype)
+    ours = _run(CpuBackend(DECODE, avx2_kernel), query, kv_cache, metadata)  # type: ignore[arg-type]
+    ref = _run(TorchRefBackend(), query.float(), kv_cache.float(), metadata)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref, atol=tol, rtol=tol)

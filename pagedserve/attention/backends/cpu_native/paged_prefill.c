@@ -27,40 +27,128 @@
  * multiply P in bf16), their products with the bf16 values exact, the sums fp32, and the
  * normalizer is the sum of the rounded probabilities. The output is rounded once, at the end.
  *
- * Where the build has no AVX512 or head_dim is not a multiple of 16, plain loops serve one
- * query vector at a time, all in fp32.
+ * Where the build has no AVX512 or head_dim is not a multiple of 16, the plain path serves a
+ * row's query heads a few at a time, all in fp32, in 8-lane vectors the compiler maps to the
+ * CPU's (below).
  */
 #include "prefill.h"
 #include "prefill_pack.h"
 #include "prefill_softmax.h"
 
-/* The plain path's task: one query vector at a time, fp32. */
+/* The plain path: 8-lane fp32 vectors in GCC's vector extension (AVX2 registers on x86, NEON
+ * pairs on ARM), a row's query heads of the group PLAIN_HEADS at a time. Keys are packed as
+ * in prefill_pack.h's pack_plain, [t / 16][D][16]: the two loads of 16 keys' element d meet a
+ * broadcast of each head's q[d], so a score needs no horizontal sum, and the 2 x heads sums
+ * are independent chains of multiply-adds (one chain a head stalled on the adds' latency). */
+#define PLAIN_HEADS 4
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+/* s[hh][t] = scale * q_hh . key t for t < seen (rounded up to TILE), HB heads. */
+ALWAYS_INLINE void plain_scores(const float *kt, const float *q, int64_t seen, float *s,
+                                int64_t padded, float scale, const int64_t dim, const int HB) {
+    for (int64_t t0 = 0; t0 < seen; t0 += TILE) {
+        const float *k = kt + t0 * dim; /* tile t0 / 16 */
+        v8f acc[PLAIN_HEADS][2];
+#pragma GCC unroll 4
+        for (int hh = 0; hh < HB; hh++) acc[hh][0] = acc[hh][1] = (v8f){0};
+        for (int64_t d = 0; d < dim; d++) {
+            const v8f k0 = *(const v8f *)(k + d * TILE), k1 = *(const v8f *)(k + d * TILE + 8);
+#pragma GCC unroll 4
+            for (int hh = 0; hh < HB; hh++) {
+                acc[hh][0] += q[hh * dim + d] * k0;
+                acc[hh][1] += q[hh * dim + d] * k1;
+            }
+        }
+#pragma GCC unroll 4
+        for (int hh = 0; hh < HB; hh++) {
+            *(v8f *)(s + hh * padded + t0) = acc[hh][0] * scale;
+            *(v8f *)(s + hh * padded + t0 + 8) = acc[hh][1] * scale;
+        }
+    }
+}
+
+/* The row s[0:seen] -> exp(s - max), in place; returns their sum. */
+ALWAYS_INLINE float plain_softmax(float *s, int64_t seen) {
+    float max = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : max)
+    for (int64_t t = 1; t < seen; t++) max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < seen; t++) {
+        s[t] = expf(s[t] - max);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* out[hh][0:dim] = sum over t < seen of p[hh][t] * vals[t] for HB heads (p's rows `padded`
+ * apart), 8 W columns at a time with their HB x W sums in registers. Each load of a value
+ * vector serves the HB heads: a row's values (64 KB at 256 keys of 64) come from L2, which
+ * one head's multiply-adds alone would outrun. */
+ALWAYS_INLINE void plain_values(const float *vals, const float *p, int64_t padded, int64_t seen,
+                                float *out, const int64_t dim, const int HB) {
+    const int W = HB == 1 ? 8 : HB == 4 ? 2 : 4; /* vectors of columns: HB W + W <= 16 */
+    int64_t c0 = 0;
+    for (; c0 + 8 * W <= dim; c0 += 8 * W) {
+        v8f acc[PLAIN_HEADS][8];
+#pragma GCC unroll 4
+        for (int hh = 0; hh < HB; hh++)
+#pragma GCC unroll 8
+            for (int c = 0; c < W; c++) acc[hh][c] = (v8f){0};
+        for (int64_t t = 0; t < seen; t++) {
+            v8f v[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < W; c++) v[c] = *(const v8f *)(vals + t * dim + c0 + 8 * c);
+#pragma GCC unroll 4
+            for (int hh = 0; hh < HB; hh++)
+#pragma GCC unroll 8
+                for (int c = 0; c < W; c++) acc[hh][c] += p[hh * padded + t] * v[c];
+        }
+#pragma GCC unroll 4
+        for (int hh = 0; hh < HB; hh++) memcpy(out + hh * dim + c0, acc[hh], W * sizeof(v8f));
+    }
+    for (int hh = 0; hh < HB; hh++) /* columns past the last whole 8 W */
+        for (int64_t d = c0; d < dim; d++) {
+            float sum = 0.0f;
+            for (int64_t t = 0; t < seen; t++) sum += p[hh * padded + t] * vals[t * dim + d];
+            out[hh * dim + d] = sum;
+        }
+}
+
+/* Heads h0 .. h0 + HB - 1 of query row i (seeing `seen` keys): scores, softmax, values. */
+ALWAYS_INLINE void plain_heads(const Prefill *a, const Scratch *b, int64_t row, int64_t h0,
+                               int64_t seen, const int64_t dim, const int is_bf16, const int HB) {
+    float *q = b->qf, *out = b->qf; /* out replaces q once the scores are made */
+    for (int hh = 0; hh < HB; hh++)
+        load_row(a->query, row * a->query_row_stride + (h0 + hh) * dim, q + hh * dim, dim,
+                 is_bf16);
+    plain_scores((const float *)b->keys, q, seen, b->scores, b->padded, a->scale, dim, HB);
+    float inv[PLAIN_HEADS];
+    for (int hh = 0; hh < HB; hh++) inv[hh] = 1.0f / plain_softmax(b->scores + hh * b->padded, seen);
+    plain_values((const float *)b->vals, b->scores, b->padded, seen, out, dim, HB);
+    for (int hh = 0; hh < HB; hh++) {
+        const int64_t out_at = row * a->output_row_stride + (h0 + hh) * dim;
+        for (int64_t d = 0; d < dim; d++)
+            store(a->output, out_at + d, out[hh * dim + d] * inv[hh], is_bf16);
+    }
+}
+
+/* The plain path's task: each row's heads of KV head g, PLAIN_HEADS at a time. */
 ALWAYS_INLINE void plain_task(const Prefill *a, const int64_t *rq, int64_t g, int64_t r0,
                               int64_t rows, const Scratch *b, const int64_t dim,
                               const int is_bf16) {
-    const int64_t first = rq[0], start = rq[2] - rq[1];
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    const float *kf = (const float *)b->keys, *vf = (const float *)b->vals;
-    float *s = b->scores, *q = b->qf, *acc = b->qf + dim;
-    pack_rows(a, a->block_table + rq[3] * a->table_stride, g, start + r0 + rows, b, dim,
-              is_bf16);
+    const int64_t start = rq[2] - rq[1], group = a->num_heads / a->num_kv_heads;
+    pack_plain(a, a->block_table + rq[3] * a->table_stride, g, start + r0 + rows, b, dim,
+               is_bf16);
     for (int64_t i = r0; i < r0 + rows; i++) {
-        const int64_t seen = start + i + 1;
-        for (int64_t h = g * group; h < (g + 1) * group; h++) {
-            load_row(a->query, (first + i) * a->query_row_stride + h * dim, q, dim, is_bf16);
-            for (int64_t t = 0; t < seen; t++) {
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += q[d] * kf[t * dim + d];
-                s[t] = dot * a->scale;
+        const int64_t row = rq[0] + i, seen = start + i + 1;
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += PLAIN_HEADS) {
+            const int64_t left = (g + 1) * group - h0;
+            switch (left < PLAIN_HEADS ? left : PLAIN_HEADS) {
+            case 1: plain_heads(a, b, row, h0, seen, dim, is_bf16, 1); break;
+            case 2: plain_heads(a, b, row, h0, seen, dim, is_bf16, 2); break;
+            case 3: plain_heads(a, b, row, h0, seen, dim, is_bf16, 3); break;
+            default: plain_heads(a, b, row, h0, seen, dim, is_bf16, 4);
             }
-            float max = s[0], sum = 0.0f;
-            for (int64_t t = 1; t < seen; t++) max = s[t] > max ? s[t] : max;
-            for (int64_t t = 0; t < seen; t++) sum += s[t] = expf(s[t] - max);
-            memset(acc, 0, (size_t)dim * sizeof(float));
-            accumulate_rows(acc, s, vf, seen, dim, dim);
-            const int64_t out_at = (first + i) * a->output_row_stride + h * dim;
-            for (int64_t d = 0; d < dim; d++) store(a->output, out_at + d, acc[d] / sum, is_bf16);
         }
     }
 }
@@ -258,8 +346,16 @@ static void run_prefill_task(const Prefill *a, int64_t req, int64_t g, int64_t r
         return;
     }
 #endif
-    if (is_bf16) plain_task(a, rq, g, r0, rows, b, dim, 1);
-    else plain_task(a, rq, g, r0, rows, b, dim, 0);
+    if (dim == 64) {
+        if (is_bf16) plain_task(a, rq, g, r0, rows, b, 64, 1);
+        else plain_task(a, rq, g, r0, rows, b, 64, 0);
+    } else if (dim == 128) {
+        if (is_bf16) plain_task(a, rq, g, r0, rows, b, 128, 1);
+        else plain_task(a, rq, g, r0, rows, b, 128, 0);
+    } else {
+        if (is_bf16) plain_task(a, rq, g, r0, rows, b, dim, 1);
+        else plain_task(a, rq, g, r0, rows, b, dim, 0);
+    }
 }
 
 /* A thread's scratch for requests of up to max_len keys (see Scratch; every part 64-byte

@@ -34,7 +34,8 @@ typedef struct {
  *         t + 1 (high half), read against the pair of their probabilities
  *   probs bf16 [MB][padded]
  * else (fp32 products): keys fp32 [tile][D][16], vals fp32 [t][D], the probabilities in
- * `scores` in place; the plain path keeps keys as vals, [t][D].
+ * `scores` in place; the plain path keeps keys fp32 [t / 16][D][16], vals fp32 [t][D], q
+ * and its sums in qf.
  * scores fp32 [MB][padded]; qf fp32 [MB][D]: the block's query vectors widened (bf16
  * without pairs; the plain path's query and sums).
  * keys and vals hold keys 0 .. packed - 1 of request `req`, KV head g (req -1: none): a task

@@ -5,13 +5,22 @@
 
 #include "prefill.h"
 
-/* The plain path: keys and values 0 .. n-1 widened to fp32 rows [t][D]. */
-ALWAYS_INLINE void pack_rows(const Prefill *a, const int32_t *table, int64_t g, int64_t n,
-                             const Scratch *b, const int64_t dim, const int is_bf16) {
+/* The plain path (paged_prefill.c): keys 0 .. n-1 widened to fp32 in tiles of TILE keys,
+ * [t / 16][D][16] (key t at lane t % 16; the last tile's lanes past n zeros: their scores are
+ * computed, never read), values fp32 rows [t][D]. */
+ALWAYS_INLINE void pack_plain(const Prefill *a, const int32_t *table, int64_t g, int64_t n,
+                              const Scratch *b, const int64_t dim, const int is_bf16) {
+    float *kt = (float *)b->keys, *row = b->qf; /* row: a key widened; qf is free here */
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = cache_at(a, table, t, g);
-        load_row(a->key_cache, at, (float *)b->keys + t * dim, dim, is_bf16);
+        load_row(a->key_cache, at, row, dim, is_bf16);
+        float *tile = kt + t / TILE * TILE * dim + t % TILE;
+        for (int64_t d = 0; d < dim; d++) tile[d * TILE] = row[d];
         load_row(a->value_cache, at, (float *)b->vals + t * dim, dim, is_bf16);
+    }
+    for (int64_t t = n; t % TILE; t++) {
+        float *tile = kt + t / TILE * TILE * dim + t % TILE;
+        for (int64_t d = 0; d < dim; d++) tile[d * TILE] = 0.0f;
     }
 }
 
