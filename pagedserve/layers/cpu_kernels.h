@@ -29,6 +29,18 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* 8 fp32 lanes in GCC's vector extension, for the kernels' paths without AVX512: the compiler
+ * maps them to the CPU's vectors (AVX2 registers on x86, NEON pairs on ARM). Loads and stores
+ * through a v8f pointer need only float alignment. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+/* The sum of a's 8 lanes. */
+static inline float sum8(v8f a) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += a[i];
+    return s;
+}
+
 /* f rounded to the nearest bf16, as an fp32: what a bf16 tensor would hold. */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 

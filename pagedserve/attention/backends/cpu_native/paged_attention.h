@@ -61,29 +61,60 @@ ALWAYS_INLINE void store_row(void *base, int64_t offset, const float *src, const
     }
 }
 
-/* The request's `n` tokens from t0 (one block) of one cache, widened: rows[t][kv_head][d]. */
-ALWAYS_INLINE void load_block(const Work *w, const void *cache, const int32_t *table, int64_t t0,
-                              int64_t n, float *rows, const int64_t dim, const int is_bf16) {
+/* The request's `n` tokens from t0 (one block) of one cache as fp32 rows[t][kv_head][d]: fp32
+ * blocks in place, bf16 ones widened into `rows`. */
+ALWAYS_INLINE const float *block_rows(const Work *w, const void *cache, const int32_t *table,
+                                      int64_t t0, int64_t n, float *rows, const int64_t dim,
+                                      const int is_bf16) {
     const int64_t base = table[t0 / w->block_size] * w->cache_block_stride;
+    if (!is_bf16) return (const float *)cache + base;
     for (int64_t i = 0; i < n * w->num_kv_heads; i++) /* a block is contiguous: one pass */
         load_row(cache, base + i * dim, rows + i * dim, dim, is_bf16);
+    return rows;
 }
 
-/* scores[h][t] = q[h] . key[t][h / group], q pre-scaled; keys widened a block at a time. */
+/* Token t's share (of n) of the lines of the request's cache block after t0's, asked for into
+ * L2 while t0's block is used: blocks are scattered through the cache, so the hardware
+ * prefetcher cannot guess the next, and asked for all at once its lines would fill the core's
+ * few miss buffers ahead of the current block's loads. */
+ALWAYS_INLINE void prefetch_next_block(const Work *w, const void *cache, const int32_t *table,
+                                       int64_t t0, int64_t t, int64_t n, int64_t seq_len,
+                                       const int is_bf16) {
+    const int64_t next = t0 + w->block_size;
+    if (next >= seq_len) return;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    const int64_t lines = (w->block_size * w->num_kv_heads * w->head_dim * elem + 63) / 64;
+    const char *p = (const char *)cache + table[next / w->block_size] * w->cache_block_stride * elem;
+    for (int64_t line = t * lines / n; line < (t + 1) * lines / n; line++)
+        __builtin_prefetch(p + 64 * line, 0, 2);
+}
+
+/* a . b over dim, in two chains of 8-lane multiply-adds (one chain waits on the adds). */
+ALWAYS_INLINE float dot_rows(const float *a, const float *b, const int64_t dim) {
+    v8f s0 = {0}, s1 = {0};
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) {
+        s0 += *(const v8f *)(a + d) * *(const v8f *)(b + d);
+        s1 += *(const v8f *)(a + d + 8) * *(const v8f *)(b + d + 8);
+    }
+    float dot = sum8(s0 + s1);
+    for (; d < dim; d++) dot += a[d] * b[d];
+    return dot;
+}
+
+/* scores[h][t] = q[h] . key[t][h / group], q pre-scaled; a block at a time. */
 ALWAYS_INLINE void widened_scores(const Work *w, const int32_t *table, int64_t seq_len,
                                   const float *q, float *scores, float *rows, const int64_t dim,
                                   const int is_bf16) {
     const int64_t group = w->num_heads / w->num_kv_heads;
     for (int64_t t0 = 0; t0 < seq_len; t0 += w->block_size) {
         const int64_t n = t0 + w->block_size < seq_len ? w->block_size : seq_len - t0;
-        load_block(w, w->key_cache, table, t0, n, rows, dim, is_bf16);
+        const float *keys = block_rows(w, w->key_cache, table, t0, n, rows, dim, is_bf16);
         for (int64_t t = 0; t < n; t++) {
+            prefetch_next_block(w, w->key_cache, table, t0, t, n, seq_len, is_bf16);
             for (int64_t h = 0; h < w->num_heads; h++) {
-                const float *qh = q + h * dim, *k = rows + (t * w->num_kv_heads + h / group) * dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += qh[d] * k[d];
-                scores[h * seq_len + t0 + t] = dot;
+                const float *qh = q + h * dim, *k = keys + (t * w->num_kv_heads + h / group) * dim;
+                scores[h * seq_len + t0 + t] = dot_rows(qh, k, dim);
             }
         }
     }
@@ -150,13 +181,22 @@ ALWAYS_INLINE void accumulate_rows(float *a, const float *p, const float *v, int
         return;
     }
 #endif
+    int64_t c0 = 0;
+    for (; c0 + 64 <= dim; c0 += 64) { /* 64 columns' sums in registers across the n rows */
+        v8f sum[8];
+        memcpy(sum, a + c0, sizeof sum);
+        for (int64_t t = 0; t < n; t++)
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) sum[c] += p[t] * *(const v8f *)(v + t * stride + c0 + 8 * c);
+        memcpy(a + c0, sum, sizeof sum);
+    }
     for (int64_t t = 0; t < n; t++) {
 #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) a[d] += p[t] * v[t * stride + d];
+        for (int64_t d = c0; d < dim; d++) a[d] += p[t] * v[t * stride + d];
     }
 }
 
-/* acc[h] = sum over t of probs[h][t] * value[t][h / group], one widened block at a time. */
+/* acc[h] = sum over t of probs[h][t] * value[t][h / group], a block at a time. */
 ALWAYS_INLINE void weighted_values(const Work *w, const int32_t *table, int64_t seq_len,
                                    const float *probs, float *acc, float *rows, const int64_t dim,
                                    const int is_bf16) {
@@ -164,10 +204,12 @@ ALWAYS_INLINE void weighted_values(const Work *w, const int32_t *table, int64_t 
     memset(acc, 0, (size_t)(w->num_heads * dim) * sizeof(float));
     for (int64_t t0 = 0; t0 < seq_len; t0 += w->block_size) {
         const int64_t n = t0 + w->block_size < seq_len ? w->block_size : seq_len - t0;
-        load_block(w, w->value_cache, table, t0, n, rows, dim, is_bf16);
+        const float *vals = block_rows(w, w->value_cache, table, t0, n, rows, dim, is_bf16);
+        for (int64_t t = 0; t < n; t++)
+            prefetch_next_block(w, w->value_cache, table, t0, t, n, seq_len, is_bf16);
         const int64_t token_stride = w->num_kv_heads * dim;
         for (int64_t h = 0; h < w->num_heads; h++) {
-            const float *p = probs + h * seq_len + t0, *v = rows + (h / group) * dim;
+            const float *p = probs + h * seq_len + t0, *v = vals + (h / group) * dim;
             accumulate_rows(acc + h * dim, p, v, n, token_stride, dim);
         }
     }

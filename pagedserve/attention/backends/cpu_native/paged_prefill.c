@@ -35,13 +35,11 @@
 #include "prefill_pack.h"
 #include "prefill_softmax.h"
 
-/* The plain path: 8-lane fp32 vectors in GCC's vector extension (AVX2 registers on x86, NEON
- * pairs on ARM), a row's query heads of the group PLAIN_HEADS at a time. Keys are packed as
+/* The plain path: 8-lane fp32 vectors (v8f, cpu_kernels.h), a row's query heads of the group PLAIN_HEADS at a time. Keys are packed as
  * in prefill_pack.h's pack_plain, [t / 16][D][16]: the two loads of 16 keys' element d meet a
  * broadcast of each head's q[d], so a score needs no horizontal sum, and the 2 x heads sums
  * are independent chains of multiply-adds (one chain a head stalled on the adds' latency). */
 #define PLAIN_HEADS 4
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
 /* s[hh][t] = scale * q_hh . key t for t < seen (rounded up to TILE), HB heads. */
 ALWAYS_INLINE void plain_scores(const float *kt, const float *q, int64_t seen, float *s,
