@@ -84,7 +84,8 @@ ALWAYS_INLINE void prefetch_next_block(const Work *w, const void *cache, const i
     if (next >= seq_len) return;
     const int64_t elem = is_bf16 ? 2 : 4;
     const int64_t lines = (w->block_size * w->num_kv_heads * w->head_dim * elem + 63) / 64;
-    const char *p = (const char *)cache + table[next / w->block_size] * w->cache_block_stride * elem;
+    const char *p = (const char *)cache
+                    + table[next / w->block_size] * w->cache_block_stride * elem;
     for (int64_t line = t * lines / n; line < (t + 1) * lines / n; line++)
         __builtin_prefetch(p + 64 * line, 0, 2);
 }
@@ -187,7 +188,8 @@ ALWAYS_INLINE void accumulate_rows(float *a, const float *p, const float *v, int
         memcpy(sum, a + c0, sizeof sum);
         for (int64_t t = 0; t < n; t++)
 #pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) sum[c] += p[t] * *(const v8f *)(v + t * stride + c0 + 8 * c);
+            for (int c = 0; c < 8; c++)
+                sum[c] += p[t] * *(const v8f *)(v + t * stride + c0 + 8 * c);
         memcpy(a + c0, sum, sizeof sum);
     }
     for (int64_t t = 0; t < n; t++) {

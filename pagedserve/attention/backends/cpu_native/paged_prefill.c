@@ -35,10 +35,11 @@
 #include "prefill_pack.h"
 #include "prefill_softmax.h"
 
-/* The plain path: 8-lane fp32 vectors (v8f, cpu_kernels.h), a row's query heads of the group PLAIN_HEADS at a time. Keys are packed as
- * in prefill_pack.h's pack_plain, [t / 16][D][16]: the two loads of 16 keys' element d meet a
- * broadcast of each head's q[d], so a score needs no horizontal sum, and the 2 x heads sums
- * are independent chains of multiply-adds (one chain a head stalled on the adds' latency). */
+/* The plain path: 8-lane fp32 vectors (v8f, cpu_kernels.h), a row's query heads of the group
+ * PLAIN_HEADS at a time. Keys are packed as in prefill_pack.h's pack_plain, [t / 16][D][16]:
+ * the two loads of 16 keys' element d meet a broadcast of each head's q[d], so a score needs
+ * no horizontal sum, and the 2 x heads sums are independent chains of multiply-adds (one
+ * chain a head stalled on the adds' latency). */
 #define PLAIN_HEADS 4
 
 /* s[hh][t] = scale * q_hh . key t for t < seen (rounded up to TILE), HB heads. */
@@ -112,7 +113,7 @@ ALWAYS_INLINE void plain_values(const float *vals, const float *p, int64_t padde
         }
 }
 
-/* Heads h0 .. h0 + HB - 1 of query row i (seeing `seen` keys): scores, softmax, values. */
+/* Heads h0 .. h0 + HB - 1 of query row `row` (it sees `seen` keys): scores, softmax, values. */
 ALWAYS_INLINE void plain_heads(const Prefill *a, const Scratch *b, int64_t row, int64_t h0,
                                int64_t seen, const int64_t dim, const int is_bf16, const int HB) {
     float *q = b->qf, *out = b->qf; /* out replaces q once the scores are made */
@@ -121,7 +122,8 @@ ALWAYS_INLINE void plain_heads(const Prefill *a, const Scratch *b, int64_t row, 
                  is_bf16);
     plain_scores((const float *)b->keys, q, seen, b->scores, b->padded, a->scale, dim, HB);
     float inv[PLAIN_HEADS];
-    for (int hh = 0; hh < HB; hh++) inv[hh] = 1.0f / plain_softmax(b->scores + hh * b->padded, seen);
+    for (int hh = 0; hh < HB; hh++)
+        inv[hh] = 1.0f / plain_softmax(b->scores + hh * b->padded, seen);
     plain_values((const float *)b->vals, b->scores, b->padded, seen, out, dim, HB);
     for (int hh = 0; hh < HB; hh++) {
         const int64_t out_at = row * a->output_row_stride + (h0 + hh) * dim;
