@@ -73,12 +73,13 @@ ALWAYS_INLINE const float *block_rows(const Work *w, const void *cache, const in
     return rows;
 }
 
-/* Token t's share (of n) of the lines of the request's cache block after t0's, asked for into
- * L2 while t0's block is used: blocks are scattered through the cache, so the hardware
- * prefetcher cannot guess the next, and asked for all at once its lines would fill the core's
- * few miss buffers ahead of the current block's loads. */
+/* Part `part` of `parts` of the lines of the request's cache block after t0's, asked for into
+ * L2 while t0's block is used, a part per step of its use (a token's scores, a head's weighted
+ * values): blocks are scattered through the cache, so the hardware prefetcher cannot guess the
+ * next, and asked for all at once its lines would fill the core's few miss buffers ahead of
+ * the current block's loads. */
 ALWAYS_INLINE void prefetch_next_block(const Work *w, const void *cache, const int32_t *table,
-                                       int64_t t0, int64_t t, int64_t n, int64_t seq_len,
+                                       int64_t t0, int64_t part, int64_t parts, int64_t seq_len,
                                        const int is_bf16) {
     const int64_t next = t0 + w->block_size;
     if (next >= seq_len) return;
@@ -86,7 +87,7 @@ ALWAYS_INLINE void prefetch_next_block(const Work *w, const void *cache, const i
     const int64_t lines = (w->block_size * w->num_kv_heads * w->head_dim * elem + 63) / 64;
     const char *p = (const char *)cache
                     + table[next / w->block_size] * w->cache_block_stride * elem;
-    for (int64_t line = t * lines / n; line < (t + 1) * lines / n; line++)
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; line++)
         __builtin_prefetch(p + 64 * line, 0, 2);
 }
 
@@ -207,10 +208,9 @@ ALWAYS_INLINE void weighted_values(const Work *w, const int32_t *table, int64_t 
     for (int64_t t0 = 0; t0 < seq_len; t0 += w->block_size) {
         const int64_t n = t0 + w->block_size < seq_len ? w->block_size : seq_len - t0;
         const float *vals = block_rows(w, w->value_cache, table, t0, n, rows, dim, is_bf16);
-        for (int64_t t = 0; t < n; t++)
-            prefetch_next_block(w, w->value_cache, table, t0, t, n, seq_len, is_bf16);
         const int64_t token_stride = w->num_kv_heads * dim;
         for (int64_t h = 0; h < w->num_heads; h++) {
+            prefetch_next_block(w, w->value_cache, table, t0, h, w->num_heads, seq_len, is_bf16);
             const float *p = probs + h * seq_len + t0, *v = vals + (h / group) * dim;
             accumulate_rows(acc + h * dim, p, v, n, token_stride, dim);
         }
