@@ -2,7 +2,8 @@
 
 ``scaled_mm_linear`` runs on FP8 tensor cores with row-wise scaling (one scale per token of
 the activation, one per output channel of the weight): ``torch._scaled_mm``, or from a few
-hundred tokens up on Hopper the persistent TMA kernel of ``kernels/fp8_gemm.py`` (``PERSISTENT_MIN_ROWS``).
+hundred tokens up on Hopper the persistent TMA kernel of ``kernels/fp8_gemm.py``
+(``PERSISTENT_MIN_ROWS``).
 ``dequantized_linear`` is the reference and the CPU path: the weight dequantized into the
 compute dtype, then an ordinary matmul (the activation stays unquantized).
 

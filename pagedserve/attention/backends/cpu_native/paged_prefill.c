@@ -326,6 +326,14 @@ ALWAYS_INLINE void vector_task(const Prefill *a, int64_t req, int64_t g, int64_t
 }
 #endif
 
+/* plain_task with the dtype known to the compiler. */
+ALWAYS_INLINE void plain_task_of_dtype(const Prefill *a, const int64_t *rq, int64_t g,
+                                       int64_t r0, int64_t rows, const Scratch *b,
+                                       const int64_t dim, int is_bf16) {
+    if (is_bf16) plain_task(a, rq, g, r0, rows, b, dim, 1);
+    else plain_task(a, rq, g, r0, rows, b, dim, 0);
+}
+
 /* A copy per common head size and dtype, the loop bounds known to the compiler. */
 static void run_prefill_task(const Prefill *a, int64_t req, int64_t g, int64_t r0, int64_t rows,
                              Scratch *b, int is_bf16) {
@@ -346,16 +354,9 @@ static void run_prefill_task(const Prefill *a, int64_t req, int64_t g, int64_t r
         return;
     }
 #endif
-    if (dim == 64) {
-        if (is_bf16) plain_task(a, rq, g, r0, rows, b, 64, 1);
-        else plain_task(a, rq, g, r0, rows, b, 64, 0);
-    } else if (dim == 128) {
-        if (is_bf16) plain_task(a, rq, g, r0, rows, b, 128, 1);
-        else plain_task(a, rq, g, r0, rows, b, 128, 0);
-    } else {
-        if (is_bf16) plain_task(a, rq, g, r0, rows, b, dim, 1);
-        else plain_task(a, rq, g, r0, rows, b, dim, 0);
-    }
+    if (dim == 64) plain_task_of_dtype(a, rq, g, r0, rows, b, 64, is_bf16);
+    else if (dim == 128) plain_task_of_dtype(a, rq, g, r0, rows, b, 128, is_bf16);
+    else plain_task_of_dtype(a, rq, g, r0, rows, b, dim, is_bf16);
 }
 
 /* A thread's scratch for requests of up to max_len keys (see Scratch; every part 64-byte
