@@ -104,8 +104,9 @@ def test_batches_on_packed_weights(case: str, threads: int, tmp_path) -> None:
     assert fused.c_forward._panels is not None
 
 
-SPLIT_ROWS = 30
-"""Four of panel_gemm.h's 8-row blocks, the last partial: at 2 threads cpu_decode.c gives each
+SPLIT_ROWS = 45
+"""An even number of panel_gemm.h's row blocks, the last partial, with either kernel (six of
+AVX512's 8-row blocks, eight of AVX2's 6-row ones): at 2 threads cpu_decode.c gives each
 thread a run of whole blocks to take through the step on its own."""
 
 
