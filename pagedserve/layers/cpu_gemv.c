@@ -184,8 +184,12 @@ int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m
     return rows_product(x, w, bias, y, m, n, k, x_stride, y_stride, is_bf16, 0, num_threads);
 }
 
-/* 1 where panel_gemm.h has a kernel for the dtype in this build. */
-int gemm_panels_kernel(int is_bf16) { return is_bf16 ? PANEL_BF16 : PANEL_F32; }
+/* 1 where panel_gemm.h has a kernel for the dtype in this build (bf16: its own, or the fp32
+ * one on widened panels). */
+int gemm_panels_kernel(int is_bf16) { return is_bf16 ? PANEL_BF16 || PANEL_WIDENS_BF16 : PANEL_F32; }
+
+/* 1 where bf16 weights' panels are packed widened to fp32 (panel_gemm.h). */
+int gemm_panels_widens_bf16(void) { return PANEL_WIDENS_BF16; }
 
 /* gemv_rows on a weight packed for panel_gemm.h. */
 int gemm_panels(const void *x, const void *wp, const void *bias, void *y, int64_t m, int64_t n,

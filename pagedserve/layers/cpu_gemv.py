@@ -8,11 +8,12 @@ CPU without native bf16 matmuls (no AVX512-BF16 or AMX) torch's bf16 matmul is e
 several times slower than its fp32 one, at any batch (docs/cpu.md#bf16-linears has the
 figures). Inputs of up to ``FEW_ROWS`` rows, bf16 or fp32, go to ``gemv_rows`` where
 it is vectorized (AVX512F), or from ``PANEL_MIN_ROWS`` to ``PANEL_MAX_ROWS`` rows to
-``gemm_panels`` on a copy of the weight packed in panels (``panel_gemm.h``); bf16 inputs to
-``gemv_bf16`` (AVX2; of up to ``SMALL_BATCH_ROWS``
-rows where the CPU has native bf16); the other fp32 and native bf16 inputs to oneDNN on packed
-weights (``cpu_packed_linear.py``) where torch has it, else ``F.linear``. No compiler, or a
-failed build: the same without the C kernels (logged once).
+``gemm_panels`` on a copy of the weight packed in panels (``panel_gemm.h``); bf16 inputs of up
+to ``SMALL_BATCH_ROWS`` rows (native bf16) or ``WIDENED_MIN_ROWS`` - 1 rows (emulated bf16) to
+``gemv_bf16`` (AVX2); the rest to oneDNN on packed weights (``cpu_packed_linear.py``, which
+multiplies emulated bf16 in fp32) where torch has it, else ``F.linear`` (then ``gemv_bf16``
+takes every emulated bf16 input). No compiler, or a failed build: the same without the C
+kernels (logged once).
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 SMALL_BATCH_ROWS = 4
 """The rows of x ``gemv_bf16`` takes where the CPU multiplies bf16 natively; more go to
-``F.linear``, whose native bf16 matmul is efficient once the weight serves many rows. Where it
-does not, ``gemv_bf16`` takes any number of bf16 rows."""
+oneDNN, whose native bf16 matmul is efficient once the weight serves many rows."""
+WIDENED_MIN_ROWS = 8
+"""Where the CPU has no native bf16 matmul, bf16 inputs of this many rows or more go to oneDNN's
+fp32 product on a widened copy of the weight (``PackedLinear``), fewer to ``gemv_bf16``, which
+reads the bf16 weight (half the bytes) but multiplies slower from here on (default model's
+linears, two threads: docs/cpu.md#bf16-linears)."""
 FEW_ROWS = 8
 """The rows of x ``gemv_rows`` takes (bf16 or fp32): up to here it reads the weights faster
 than torch's matmul (the default model's LM head and gate/up at 8 rows, one thread), at 16
@@ -82,6 +87,8 @@ class GemvKernel:
         self.rows_vectorized = bool(library.gemv_rows_vectorized())
         self.panel_dtypes = tuple(dtype for dtype in (torch.bfloat16, torch.float32)
                                   if library.gemm_panels_kernel(int(dtype == torch.bfloat16)))
+        self.panels_widen_bf16 = bool(library.gemm_panels_widens_bf16())
+        """bf16 weights' panels hold their fp32 values (no AVX512-BF16 here: panel_gemm.h)."""
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -162,12 +169,24 @@ def cpu_linear() -> Linear:
     """The CPU's linear: the kernels where a C compiler builds them and oneDNN on packed
     weights for many rows, else whichever of the two is there, else ``F.linear``."""
     large = PackedLinear() if packing_available() else F.linear
+    if cpu_has_fast_bf16():
+        bf16_rows: int | None = SMALL_BATCH_ROWS
+    else:
+        bf16_rows = None if large is F.linear else WIDENED_MIN_ROWS - 1
     try:
         path = built_library(SOURCE)
-        return GemvKernel(path, SMALL_BATCH_ROWS if cpu_has_fast_bf16() else None, large)
+        return GemvKernel(path, bf16_rows, large)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU bf16 GEMV kernel not built (%s): using F.linear", e)
         return _unless_traced(large)
+
+
+@functools.cache
+def panels_widen_bf16() -> bool:
+    """Whether this machine's panel copies of bf16 weights are widened to fp32: the C kernels
+    are built and their panel product has no bf16 kernel (``panel_gemm.h``)."""
+    linear = cpu_linear()
+    return isinstance(linear, GemvKernel) and linear.panels_widen_bf16
 
 
 def pack_panels(model: torch.nn.Module) -> None:

@@ -63,6 +63,7 @@ ALWAYS_INLINE void dots_f32(const float *x, const char *rows[GEMV_COLS], const i
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < GEMV_COLS; j++) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 #else
+    (void)interleave;
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < GEMV_COLS; j++) sums[r][j] = 0.0f;
 #endif
@@ -103,6 +104,7 @@ ALWAYS_INLINE void dots_bf16(const uint16_t *xb, const char *rows[GEMV_COLS], co
             }
     }
 #else
+    (void)interleave;
     for (int j = 0; j < GEMV_COLS; j++)
         for (i = 0; i + 16 <= k; i += 16) {
             const __m512 wv = load16(rows[j], i, 1);
@@ -113,6 +115,7 @@ ALWAYS_INLINE void dots_bf16(const uint16_t *xb, const char *rows[GEMV_COLS], co
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < GEMV_COLS; j++) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 #else
+    (void)interleave;
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < GEMV_COLS; j++) sums[r][j] = 0.0f;
 #endif

@@ -20,6 +20,10 @@
  * need AVX512F or AVX2 with FMA, bf16 ones AVX512-BF16; PANEL_F32 and PANEL_BF16 say whether
  * this build has the kernel. With AVX2 a panel's 16 columns are two 8-lane vectors, and a block
  * is 6 rows of one panel: 12 accumulators of the 16 vector registers.
+ *
+ * Without AVX512-BF16 (PANEL_WIDENS_BF16) bf16 weights are packed widened to fp32 (exact) and
+ * multiplied by the fp32 kernel with x in fp32; the bias is added and y rounded to bf16 after,
+ * the same sums rounded once.
  */
 #ifndef PAGEDSERVE_PANEL_GEMM_H
 #define PAGEDSERVE_PANEL_GEMM_H
@@ -53,6 +57,7 @@
 #else
 #define PANEL_BF16 0
 #endif
+#define PANEL_WIDENS_BF16 (PANEL_F32 && !PANEL_BF16) /* bf16 weights on fp32 panels */
 
 #if PANEL_F32 && !defined(PANEL_AVX2)
 /* acc[r][g] = x[r] . columns of panel g, for r < R, g < G; xs: x's rows (fp32 [R, k] or bf16
@@ -206,16 +211,27 @@ static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const
 }
 #endif
 
+/* y[r, j] = round_bf16(y[r, j] + bias[j]) (bias bf16 or NULL): a widened bf16 product's end.
+ * Rows go to the region's threads, which meet at the loop's end. */
+static inline void round_rows_bf16(const uint16_t *bias, float *y, int64_t m, int64_t n) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < n; j++)
+            y[r * n + j] = round_bf16(y[r * n + j] + (bias != NULL ? bf16_to_float(bias[j]) : 0.0f));
+}
+
 /* y[m, n] = x[m, k] W^T + bias[n] (bias NULL: none, else in the weights' dtype), fp32 out
  * rounded to the dtype (bf16 weights: each y a bf16 value). x: fp32 [m, k]; bf16 weights: xb,
- * the same values as bf16 [m, k] (x unread). wp: W packed (above). The groups of panels go to
- * the threads of the enclosing OpenMP region (a team of one outside any), which meet at the
- * loop's end: y is whole for every thread once this returns. The caller checks PANEL_F32 /
- * PANEL_BF16. */
+ * the same values as bf16 [m, k], and x as well where PANEL_WIDENS_BF16 (else x unread). wp: W
+ * packed (above). The groups of panels go to the threads of the enclosing OpenMP region (a team
+ * of one outside any), which meet at the loop's end: y is whole for every thread once this
+ * returns. The caller checks PANEL_F32 (which every panel product needs). */
 static inline void panel_gemm_shared(const float *x, const uint16_t *xb, const void *wp,
                                      const void *bias, float *y, int64_t m, int64_t n, int64_t k,
                                      int is_bf16) {
 #if PANEL_F32
+    const int widened = is_bf16 && PANEL_WIDENS_BF16;
+    if (widened) is_bf16 = 0; /* the fp32 kernel; bias and rounding after it */
     const int64_t panels = (n + PANEL_COLS - 1) / PANEL_COLS;
     const int64_t groups = (panels + PANEL_GROUP - 1) / PANEL_GROUP;
     const int64_t panel_bytes = k * PANEL_COLS * (is_bf16 ? 2 : 4);
@@ -228,21 +244,22 @@ static inline void panel_gemm_shared(const float *x, const uint16_t *xb, const v
             const int R = m - r0 < PANEL_ROWS ? (int)(m - r0) : PANEL_ROWS;
             const char *pf = r0 + R >= m && gi + 1 < groups ? wp_g + PANEL_GROUP * panel_bytes
                                                             : NULL;
-            panel_rows(x + r0 * k, xb + r0 * k, wp_g, pf, bias, y + r0 * n, p * PANEL_COLS, n, k,
-                       is_bf16, R, G);
+            panel_rows(x + r0 * k, xb + r0 * k, wp_g, pf, widened ? NULL : bias, y + r0 * n,
+                       p * PANEL_COLS, n, k, is_bf16, R, G);
         }
     }
+    if (widened) round_rows_bf16((const uint16_t *)bias, y, m, n);
 #else
     (void)x, (void)xb, (void)wp, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)is_bf16;
 #endif
 }
 
 /* panel_gemm_shared on `num_threads` threads of its own region. Returns 0, or 1 where this
- * build has no kernel for the dtype (nothing written). */
+ * build has no panel kernel (nothing written). */
 static inline int panel_gemm(const float *x, const uint16_t *xb, const void *wp,
                              const void *bias, float *y, int64_t m, int64_t n, int64_t k,
                              int is_bf16, int num_threads) {
-    if (is_bf16 ? !PANEL_BF16 : !PANEL_F32) return 1;
+    if (!PANEL_F32) return 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     panel_gemm_shared(x, xb, wp, bias, y, m, n, k, is_bf16);
     return 0;

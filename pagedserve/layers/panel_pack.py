@@ -1,6 +1,8 @@
 """Weights packed for ``panel_gemm.h``: panels of 16 output columns whose vector loads hold
 16 columns at once (bf16: 16 columns x 2 consecutive k, the pairs AVX512-BF16's dot product
-takes), so a decode step's products at larger batches need no horizontal sums."""
+takes), so a decode step's products at larger batches need no horizontal sums. Where the CPU
+has no AVX512-BF16, bf16 weights are packed widened to fp32 panels (twice the bytes), which the
+fp32 kernel multiplies (``panel_gemm.h``'s ``PANEL_WIDENS_BF16``)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ PANEL_MAX_ROWS = 32
 as fast at 32 rows and faster beyond."""
 
 
-def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+def panel_pack(weight: torch.Tensor, widen_bf16: bool = False) -> torch.Tensor:
     """weight [n, k] (bf16 with k even, or fp32) -> its panels, a new contiguous tensor: bf16
-    [ceil(n/16), k/2, 16, 2], fp32 [ceil(n/16), k, 16]; padding columns are zero.
+    [ceil(n/16), k/2, 16, 2], fp32 [ceil(n/16), k, 16]; padding columns are zero. With
+    ``widen_bf16`` a bf16 weight is packed as its fp32 values.
 
     Both are a transpose of 32-bit words per panel ([16, words] -> [words, 16]): a bf16 pair
     is one int32. torch copies a transpose of words several times faster than the 4-D permute
     of 2-byte elements, and the zero padding is only copied where n needs it."""
+    if widen_bf16 and weight.dtype == torch.bfloat16:
+        return panel_pack(weight.float())
     n, k = weight.shape
     if weight.dtype == torch.bfloat16 and k % 2:
         raise ValueError(f"panel_pack: bf16 weights need an even k, not {k}")
@@ -50,5 +55,11 @@ def panel_packable(weight: torch.Tensor) -> bool:
 @functools.cache
 def panel_copies() -> WeightCopies:
     """The process's panel copies, one per weight, shared by the C decode step and the linears
-    of other steps (the LM head above all)."""
+    of other steps (the LM head above all); bf16 weights widened where the built kernels widen
+    them."""
+    from pagedserve.layers.cpu_gemv import panels_widen_bf16  # it imports this module
+
+    if panels_widen_bf16():
+        return WeightCopies(functools.partial(panel_pack, widen_bf16=True),
+                            "linear's panels (widened to fp32)", copy_dtype=torch.float32)
     return WeightCopies(panel_pack, "linear's panels")

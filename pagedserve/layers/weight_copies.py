@@ -18,10 +18,13 @@ class WeightCopies:
     """``make(weight)`` per weight tensor, kept while the weight lives and is unchanged."""
 
     def __init__(self, make: Callable[[torch.Tensor], torch.Tensor], what: str,
-                 budget: PackBudget | None = None) -> None:
+                 budget: PackBudget | None = None, copy_dtype: torch.dtype | None = None) -> None:
         self.make = make
         self.what = what
         """Names the copies in the budget's warning."""
+        self.copy_dtype = copy_dtype
+        """The copies' element type where ``make`` changes it (None: the weight's), for the
+        bytes each counts in the budget."""
         self.budget = budget or pack_budget()
         # id(weight) -> (weakref to it, its version when copied, the copy, the bytes it counts
         # for in the budget)
@@ -42,7 +45,8 @@ class WeightCopies:
             return current
         key = id(weight)
         self._forget(key)
-        nbytes = weight.numel() * weight.element_size()
+        dtype = self.copy_dtype or weight.dtype
+        nbytes = weight.numel() * dtype.itemsize
         if not self.budget.take(nbytes, f"a [{weight.shape[0]}, {weight.shape[1]}] {self.what}"):
             return None
         copy = self.make(weight.detach())

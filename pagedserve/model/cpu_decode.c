@@ -96,14 +96,18 @@ static void add_norm_rows(const DecodeModel *md, const void *w, int64_t m, Scrat
     }
 }
 
-/* y = x W^T + bias, rounded to the dtype: the product of a linear layer, on `panels` (w packed,
- * or NULL) from md->panel_min_rows rows on. bf16 reads xb, fp32 x. Shared by the region's
- * threads; y is whole for each of them on return. */
+/* Whether a product of m rows runs on `panels` (w packed, or NULL). */
+static int on_panels(const DecodeModel *md, const void *panels, int64_t m) {
+    return panels != NULL && PANEL_F32 && m >= md->panel_min_rows;
+}
+
+/* y = x W^T + bias, rounded to the dtype: the product of a linear layer, on `panels` where
+ * on_panels. bf16 reads xb (and x too on widened panels: panel_gemm.h), fp32 x. Shared by the
+ * region's threads; y is whole for each of them on return. */
 static void linear(const DecodeModel *md, const float *x, const uint16_t *xb, const void *w,
                    const void *panels, const void *bias, float *y, int64_t m, int64_t n,
                    int64_t k) {
-    const int have_panels = md->is_bf16 ? PANEL_BF16 : PANEL_F32;
-    if (panels != NULL && have_panels && m >= md->panel_min_rows)
+    if (on_panels(md, panels, m))
         panel_gemm_shared(x, xb, panels, bias, y, m, n, k, md->is_bf16);
     else
         decode_gemv_shared(x, xb, w, bias, y, m, n, k, md->is_bf16);
@@ -149,6 +153,21 @@ static void silu_rows(const DecodeModel *md, int64_t m, Scratch *s) {
     }
 }
 
+/* o_proj's input as fp32 values where its product reads them: a bf16 attention output on
+ * widened panels is widened into s->qkv (free once the cache write has read it); otherwise the
+ * output as it is (fp32, or bf16 read as xb). */
+static const float *o_proj_input(const DecodeModel *md, const DecodeLayer *L, int64_t m,
+                                 Scratch *s) {
+    const int64_t hq = md->num_heads * md->head_dim;
+    if (!(md->is_bf16 && PANEL_WIDENS_BF16 && on_panels(md, L->o_panels, m)))
+        return (const float *)s->out;
+    const uint16_t *out = (const uint16_t *)s->out;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < hq; i++) s->qkv[r * hq + i] = bf16_to_float(out[r * hq + i]);
+    return s->qkv;
+}
+
 /* The step's tables, the same for every layer. */
 typedef struct {
     int64_t m, table_stride;
@@ -172,8 +191,8 @@ static void layer_step(const DecodeModel *md, const DecodeLayer *L, const StepRo
                     s->out, m, md->num_heads, md->num_kv_heads, d, md->block_size,
                     st->table_stride, hq, hq, md->cache_block_stride, md->scale, bf};
     attend_shared(&w, buf);
-    /* The attention's output, in the dtype, is o_proj's input as it is: bf16 as xb, fp32 as x. */
-    linear(md, (const float *)s->out, (const uint16_t *)s->out, L->o_proj, L->o_panels,
+    /* The attention's output, in the dtype, is o_proj's input: bf16 as xb, fp32 as x. */
+    linear(md, o_proj_input(md, L, m, s), (const uint16_t *)s->out, L->o_proj, L->o_panels,
            L->o_bias, s->y, m, h, hq);
     add_norm_rows(md, L->post_norm, m, s);
     linear(md, s->normed, s->xb, L->gate_up, L->gate_up_panels, L->gate_up_bias, s->gate_up, m,

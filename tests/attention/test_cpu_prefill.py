@@ -4,7 +4,6 @@ boundaries, GQA, threads."""
 
 from __future__ import annotations
 
-import platform
 import random
 
 import pytest
@@ -19,6 +18,7 @@ from pagedserve.attention.backends.cpu_native.prefill import (
     load_paged_prefill_kernel,
 )
 from pagedserve.attention.backends.torch_ref import TorchRefBackend
+from tests.attention.avx2_build import built_for_avx2
 
 DECODE, PREFILL = cpu_native.load_paged_decode_kernel(), load_paged_prefill_kernel()
 pytestmark = pytest.mark.skipif(DECODE is None or PREFILL is None, reason="no C compiler")
@@ -154,13 +154,7 @@ def test_threads_give_the_same_bits(
 @pytest.fixture(scope="module")
 def avx2_kernel(tmp_path_factory: pytest.TempPathFactory) -> PagedPrefillKernel:
     """The kernel built without AVX512 (x86-64-v3: AVX2 and FMA), once for the module."""
-    if platform.machine() != "x86_64":
-        pytest.skip("an x86 -march name")
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_native.COMPILE_FLAGS]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_native, "COMPILE_FLAGS", flags)
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("avx2")))
-        return PagedPrefillKernel(cpu_native.built_library(PREFILL_SOURCE))
+    return PagedPrefillKernel(built_for_avx2(PREFILL_SOURCE, tmp_path_factory.mktemp("avx2")))
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [

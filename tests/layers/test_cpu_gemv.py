@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers import cpu_gemv
+from pagedserve.layers.cpu_packed_linear import PackedLinear, packing_available
 from pagedserve.layers.panel_pack import PANEL_MAX_ROWS, PANEL_MIN_ROWS, panel_copies
 
 
@@ -81,6 +82,22 @@ def test_native_bf16_keeps_large_batches_on_torch(kernel) -> None:
     assert not native.applies(torch.randn(5, 32).to(torch.bfloat16), w, None)
     emulated = cpu_gemv.GemvKernel(kernel.path, None)
     assert emulated.applies(torch.randn(64, 32).to(torch.bfloat16), w, None)
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
+def test_emulated_bf16_sends_many_rows_to_the_widened_product(kernel) -> None:
+    """Without native bf16: up to WIDENED_MIN_ROWS - 1 rows on ``gemv_bf16``, more (beyond
+    the panels' rows) on oneDNN's fp32 product over the weight's widened copy."""
+    few = cpu_gemv.WIDENED_MIN_ROWS - 1
+    large = PackedLinear(native_bf16=False)
+    emulated = cpu_gemv.GemvKernel(kernel.path, few, large)
+    w = torch.randn(24, 32).to(torch.bfloat16)
+    assert emulated.applies(torch.randn(few, 32).to(torch.bfloat16), w, None)
+    assert not emulated.applies(torch.randn(few + 1, 32).to(torch.bfloat16), w, None)
+    x = torch.randn(PANEL_MAX_ROWS + 1, 32).to(torch.bfloat16)
+    got = emulated(x, w, None)
+    assert large.widened.has(w)
+    torch.testing.assert_close(got, reference(x, w, None), atol=1e-5, rtol=2**-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

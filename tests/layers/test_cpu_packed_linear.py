@@ -29,9 +29,27 @@ def test_matches_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) -> Non
     torch.testing.assert_close(got.float(), want, **tol)
 
 
-def test_leaves_emulated_bf16_and_autograd_to_f_linear() -> None:
-    x, w = torch.randn(16, 32).to(torch.bfloat16), torch.randn(8, 32).to(torch.bfloat16)
-    assert not PackedLinear(native_bf16=False).takes(x, w)
+@pytest.mark.parametrize("rows", [1, 9, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_emulated_bf16_runs_in_fp32_on_a_widened_copy(rows: int, with_bias: bool) -> None:
+    """Without native bf16 matmuls: exact fp32 products and sums of the bf16 values, rounded to
+    bf16 once, on an fp32 copy of the weight that the budget counts at 4 bytes an element."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 100, generator=gen).to(torch.bfloat16)[:, :77]  # row stride 100
+    w = torch.randn(40, 77, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16) if with_bias else None
+    budget = PackBudget(lambda: 40 * 77 * 4, share=1.0)  # room for the fp32 copy, no more
+    linear = PackedLinear(native_bf16=False, budget=budget)
+    with torch.inference_mode():
+        got = linear(x, w, bias)
+    assert got.dtype == torch.bfloat16
+    assert linear.widened.get(w) is not None and len(linear.copies) == 0
+    assert not budget.take(1, "another copy")
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(got, want.to(torch.bfloat16), atol=1e-5, rtol=2**-8)
+
+
+def test_leaves_autograd_to_f_linear() -> None:
     wf = torch.randn(8, 32, requires_grad=True)
     assert not PackedLinear().takes(torch.randn(16, 32), wf)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,17 +12,31 @@ import torch.nn.functional as F
 
 from pagedserve.layers import cpu_gemv
 from pagedserve.layers.panel_pack import panel_pack
+from tests.attention.avx2_build import built_for_avx2
 
 
-@pytest.fixture(scope="module")
-def gemm_panels() -> ctypes._CFuncPtr:
+def _gemm_panels(path: Path) -> tuple[ctypes._CFuncPtr, bool]:
+    """The library's ``gemm_panels`` and whether it widens bf16 panels."""
+    library = ctypes.CDLL(str(path))
+    fn = library.gemm_panels
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
+    fn.restype = ctypes.c_int
+    return fn, bool(library.gemm_panels_widens_bf16())
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def gemm_panels(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[ctypes._CFuncPtr, bool]:
+    """The library built for this CPU, and for AVX2 + FMA alone (x86-64-v3: fp32 panels, bf16
+    ones widened), so that machines with AVX512 check that build too."""
     linear = cpu_gemv.cpu_linear()
     if not isinstance(linear, cpu_gemv.GemvKernel):
         pytest.skip("no CPU kernel library here")
-    fn = ctypes.CDLL(str(linear.path)).gemm_panels
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
-    fn.restype = ctypes.c_int
-    return fn
+    if request.param == "native":
+        return _gemm_panels(linear.path)
+    fn, widens = _gemm_panels(built_for_avx2(cpu_gemv.SOURCE, tmp_path_factory.mktemp("avx2")))
+    assert widens  # no AVX512-BF16 in that build
+    return fn, widens
 
 
 def test_pack_layout() -> None:
@@ -31,6 +46,7 @@ def test_pack_layout() -> None:
     assert torch.equal(packed[1, :, :4], w[16:].t()) and not packed[1, :, 4:].any()
     wb = w.to(torch.bfloat16)
     assert torch.equal(panel_pack(wb)[0, 1, 3], wb[3, 2:4])  # [P, k/2, 16, 2]
+    assert torch.equal(panel_pack(wb, widen_bf16=True), panel_pack(wb.float()))  # fp32 panels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,8 +75,9 @@ def test_matches_fp32_sums(gemm_panels, dtype: torch.dtype, rows: int, k: int, n
     x = torch.randn(rows, k + 2, generator=gen).to(dtype)[:, :k]  # row stride k + 2
     w = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    packed, out = panel_pack(w), torch.empty(rows, n, dtype=dtype)
-    status = gemm_panels(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+    fn, widens = gemm_panels
+    packed, out = panel_pack(w, widen_bf16=widens), torch.empty(rows, n, dtype=dtype)
+    status = fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                          out.data_ptr(), rows, n, k, k + 2, n, int(dtype == torch.bfloat16), 1)
     if status == 1:
         pytest.skip("no panel kernel for this dtype here")
