@@ -22,16 +22,13 @@ PANEL_MAX_ROWS = 32
 as fast at 32 rows and faster beyond."""
 
 
-def panel_pack(weight: torch.Tensor, widen_bf16: bool = False) -> torch.Tensor:
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [n, k] (bf16 with k even, or fp32) -> its panels, a new contiguous tensor: bf16
-    [ceil(n/16), k/2, 16, 2], fp32 [ceil(n/16), k, 16]; padding columns are zero. With
-    ``widen_bf16`` a bf16 weight is packed as its fp32 values.
+    [ceil(n/16), k/2, 16, 2], fp32 [ceil(n/16), k, 16]; padding columns are zero.
 
     Both are a transpose of 32-bit words per panel ([16, words] -> [words, 16]): a bf16 pair
     is one int32. torch copies a transpose of words several times faster than the 4-D permute
     of 2-byte elements, and the zero padding is only copied where n needs it."""
-    if widen_bf16 and weight.dtype == torch.bfloat16:
-        return panel_pack(weight.float())
     n, k = weight.shape
     if weight.dtype == torch.bfloat16 and k % 2:
         raise ValueError(f"panel_pack: bf16 weights need an even k, not {k}")
@@ -44,6 +41,11 @@ def panel_pack(weight: torch.Tensor, widen_bf16: bool = False) -> torch.Tensor:
     if weight.dtype == torch.bfloat16:
         return packed.view(torch.bfloat16).view(-1, k // 2, PANEL_COLS, 2)
     return packed
+
+
+def panel_pack_widened(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] -> the fp32 panels of its values (a bf16 weight widened, exactly)."""
+    return panel_pack(weight.float())
 
 
 def panel_packable(weight: torch.Tensor) -> bool:
@@ -60,6 +62,6 @@ def panel_copies() -> WeightCopies:
     from pagedserve.layers.cpu_gemv import panels_widen_bf16  # it imports this module
 
     if panels_widen_bf16():
-        return WeightCopies(functools.partial(panel_pack, widen_bf16=True),
-                            "linear's panels (widened to fp32)", copy_dtype=torch.float32)
+        return WeightCopies(panel_pack_widened, "linear's panels (widened to fp32)",
+                            copy_dtype=torch.float32)
     return WeightCopies(panel_pack, "linear's panels")

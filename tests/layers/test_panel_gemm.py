@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers import cpu_gemv
-from pagedserve.layers.panel_pack import panel_pack
+from pagedserve.layers.panel_pack import panel_pack, panel_pack_widened
 from tests.attention.avx2_build import built_for_avx2
 
 
@@ -46,7 +46,7 @@ def test_pack_layout() -> None:
     assert torch.equal(packed[1, :, :4], w[16:].t()) and not packed[1, :, 4:].any()
     wb = w.to(torch.bfloat16)
     assert torch.equal(panel_pack(wb)[0, 1, 3], wb[3, 2:4])  # [P, k/2, 16, 2]
-    assert torch.equal(panel_pack(wb, widen_bf16=True), panel_pack(wb.float()))  # fp32 panels
+    assert torch.equal(panel_pack_widened(wb), panel_pack(wb.float()))  # fp32 panels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,7 +76,7 @@ def test_matches_fp32_sums(gemm_panels, dtype: torch.dtype, rows: int, k: int, n
     w = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     fn, widens = gemm_panels
-    packed, out = panel_pack(w, widen_bf16=widens), torch.empty(rows, n, dtype=dtype)
+    packed, out = (panel_pack_widened if widens else panel_pack)(w), torch.empty(rows, n, dtype=dtype)
     status = fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                          out.data_ptr(), rows, n, k, k + 2, n, int(dtype == torch.bfloat16), 1)
     if status == 1:
