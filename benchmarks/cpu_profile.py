@@ -145,7 +145,13 @@ def start_decoding(llm: LLM, batch: int, steps: int) -> None:
     for _ in range(batch):
         ids = rng.integers(100, llm.engine_core.vocab_size - 100, size=PROMPT_LEN).tolist()
         llm.add_request({"prompt_token_ids": ids}, params)
-    for _ in range(4):  # prefill, then a few decode steps
+    scheduler = llm.engine_core.scheduler
+    # Prefill (in several steps where the prompts exceed one step's token budget), then a few
+    # decode steps: the timed steps are pure decodes.
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                   for r in scheduler.running):
+        llm.step()
+    for _ in range(3):
         llm.step()
 
 
@@ -207,7 +213,11 @@ def main() -> None:
     if args.linears:
         compare_linears()
         return
-    llm = LLM(dtype=args.dtype, kv_cache_memory=1 << 30, one_token_step=args.one_token_step)
+    # Room for every request's tokens at once (the default model in fp32 holds ~46 KB of keys
+    # and values a token, a request here ~10 MB): a smaller cache would leave requests waiting
+    # or preempted, and the timed steps would not be the batch's pure decodes.
+    kv_bytes = max(1 << 30, args.batch * (16 << 20))
+    llm = LLM(dtype=args.dtype, kv_cache_memory=kv_bytes, one_token_step=args.one_token_step)
     if args.prefills:
         seconds = prefill_seconds(llm, args.batch, args.prefills)
         print(json.dumps({"batch": args.batch, "dtype": str(llm.config.model.dtype),
