@@ -3,8 +3,8 @@
  * Built by layers/cpu_gemv.py with the system C compiler (as attention/backends/cpu_native's
  * decode kernel) and called through ctypes. Two uses: a decode step of a small batch, whose
  * time is the weight read (torch's bf16 linear at a few rows is slower than that), and, on
- * CPUs without native bf16 matmuls, every bf16 linear (torch's emulated bf16 matmul runs at a
- * fraction of its fp32 rate there).
+ * CPUs without native bf16 matmuls, bf16 linears of a few rows (torch's emulated bf16 matmul
+ * runs at a fraction of its fp32 rate there; larger ones run in fp32 on widened weights).
  *
  * Layouts (row strides in elements, the last axis contiguous):
  *   x    [m, k]  bf16, row stride x_stride
@@ -186,7 +186,9 @@ int gemv_rows(const void *x, const void *w, const void *bias, void *y, int64_t m
 
 /* 1 where panel_gemm.h has a kernel for the dtype in this build (bf16: its own, or the fp32
  * one on widened panels). */
-int gemm_panels_kernel(int is_bf16) { return is_bf16 ? PANEL_BF16 || PANEL_WIDENS_BF16 : PANEL_F32; }
+int gemm_panels_kernel(int is_bf16) {
+    return is_bf16 ? PANEL_BF16 || PANEL_WIDENS_BF16 : PANEL_F32;
+}
 
 /* 1 where bf16 weights' panels are packed widened to fp32 (panel_gemm.h). */
 int gemm_panels_widens_bf16(void) { return PANEL_WIDENS_BF16; }

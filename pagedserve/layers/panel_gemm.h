@@ -216,8 +216,10 @@ static void panel_rows(const float *x, const uint16_t *xb, const char *wp, const
 static inline void round_rows_bf16(const uint16_t *bias, float *y, int64_t m, int64_t n) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
-        for (int64_t j = 0; j < n; j++)
-            y[r * n + j] = round_bf16(y[r * n + j] + (bias != NULL ? bf16_to_float(bias[j]) : 0.0f));
+        for (int64_t j = 0; j < n; j++) {
+            const float b = bias != NULL ? bf16_to_float(bias[j]) : 0.0f;
+            y[r * n + j] = round_bf16(y[r * n + j] + b);
+        }
 }
 
 /* y[m, n] = x[m, k] W^T + bias[n] (bias NULL: none, else in the weights' dtype), fp32 out
