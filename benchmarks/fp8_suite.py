@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--prompts-70b", type=int, default=PROMPTS_70B,
                         help="prompts of the 70B's 1000 x 1000/1000 (1000 for the full workload)")
     args = parser.parse_args()
+    if args.prompts_70b < 1:
+        parser.error(f"--prompts-70b: must be >= 1, got {args.prompts_70b}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.engine is not None:
