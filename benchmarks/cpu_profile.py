@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import SchedulerConfig
 
 PROMPT_LEN = 128
 
@@ -215,9 +216,11 @@ def main() -> None:
         return
     # Room for every request's tokens at once (the default model in fp32 holds ~46 KB of keys
     # and values a token, a request here ~10 MB): a smaller cache would leave requests waiting
-    # or preempted, and the timed steps would not be the batch's pure decodes.
+    # or preempted, and the timed steps would not be the batch's pure decodes. For the same
+    # reason the engine takes the whole batch at once (the default caps it at 256 requests).
     kv_bytes = max(1 << 30, args.batch * (16 << 20))
-    llm = LLM(dtype=args.dtype, kv_cache_memory=kv_bytes, one_token_step=args.one_token_step)
+    llm = LLM(dtype=args.dtype, kv_cache_memory=kv_bytes, one_token_step=args.one_token_step,
+              max_num_seqs=max(args.batch, SchedulerConfig.max_num_seqs))
     if args.prefills:
         seconds = prefill_seconds(llm, args.batch, args.prefills)
         print(json.dumps({"batch": args.batch, "dtype": str(llm.config.model.dtype),

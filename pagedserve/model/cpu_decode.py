@@ -42,10 +42,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_FP32_ROWS = 128
-"""fp32 decode batches above this run the torch layers: up to here the C step on packed weights
-was measured faster than the torch layers (docs/cpu.md#c-decode-step), beyond it not measured.
-bf16 batches of any size run in C."""
 _STATUS = {1: "no memory for the step's scratch", 2: "no memory for the attention's scratch",
            3: "a position past the rotary table"}
 
@@ -124,8 +120,7 @@ def cpu_decode_forward(model: LlamaForCausalLM, types: LayerTypes) -> CpuDecodeF
 
 class CpuDecodeForward:
     """``(input_ids [T], positions [T]) -> hidden_states [T, hidden]``, as the model's forward:
-    in C where every request of the step decodes one token (in fp32, up to ``MAX_FP32_ROWS``
-    requests), else the model's torch forward.
+    in C where every request of the step decodes one token, else the model's torch forward.
 
     The tables of the C step (weight and cache addresses) are built on the first decode step
     and again whenever the layers' KV caches are other tensors."""
@@ -137,9 +132,6 @@ class CpuDecodeForward:
         if fn is None:
             raise RuntimeError("CpuDecodeForward: the C step is not built here")
         self.fn = fn
-        fp32 = model.model.embed_tokens.weight.dtype == torch.float32
-        self.max_rows = MAX_FP32_ROWS if fp32 else None
-        """Larger decode batches run the torch layers (None: no limit)."""
         self.c_steps = 0
         """Steps run in C (tests read it)."""
         self.cache_refused = False
@@ -176,7 +168,7 @@ class CpuDecodeForward:
         if metadata is None or len({id(m) for m in ctx.attn_metadata.values()}) != 1:
             return None
         if not (metadata.num_reqs == metadata.num_actual_tokens == num_tokens
-                and metadata.max_query_len == 1 and num_tokens <= (self.max_rows or num_tokens)):
+                and metadata.max_query_len == 1):
             return None
         slots = next(iter(ctx.slot_mapping.values()))
         if len({id(s) for s in ctx.slot_mapping.values()}) != 1:

@@ -20,12 +20,7 @@ from pagedserve.layers.panel_pack import PANEL_MIN_ROWS, panel_pack
 from pagedserve.layers.quantization.fp8 import Fp8OnlineLinearMethod
 from pagedserve.layers.weight_copies import WeightCopies
 from pagedserve.model import cpu_decode
-from pagedserve.model.cpu_decode import (
-    MAX_FP32_ROWS,
-    CpuDecodeForward,
-    load_decode_step,
-    unsupported_reason,
-)
+from pagedserve.model.cpu_decode import CpuDecodeForward, load_decode_step, unsupported_reason
 from pagedserve.model.llama import LlamaForCausalLM, LlamaMLP
 from pagedserve.model.registry import get_model_class
 from tests.model.hf_tiny import make_hf_model, our_tiny_model, saved_checkpoint
@@ -228,13 +223,21 @@ def test_an_fp8_kv_cache_keeps_the_torch_layers(tmp_path) -> None:
     assert forward.cache_refused
 
 
-def test_large_fp32_batches_keep_the_torch_layers(tmp_path) -> None:
-    """fp32 decode batches above MAX_FP32_ROWS run the torch layers; bf16 ones stay in C."""
-    ours = our_tiny_model("llama", tmp_path)
-    prompts = [[i + 1] for i in range(MAX_FP32_ROWS + 1)]  # one-token prompts: all decode
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_batches_run_in_c(dtype: torch.dtype, tmp_path) -> None:
+    """Decode batches of any size run in C, in both dtypes: 300 one-token requests (more than
+    the default ``max_num_seqs``), each step in C, the first step's logits as the torch
+    layers' (fp32: tight; bf16: within 2% of their range, as above)."""
+    torch.set_num_threads(2)
+    prompts = [[1 + i % 199] for i in range(300)]
+    ours = our_tiny_model("llama", tmp_path, dtype=dtype)
+    want = greedy_generate(ours, prompts, 2, num_blocks=400)
     fused = DecodeInC(ours)
-    greedy_generate(fused, prompts, 2)
-    assert fused.c_forward.c_steps == 0
-    fused = DecodeInC(our_tiny_model("llama", tmp_path, dtype=torch.bfloat16))
-    greedy_generate(fused, prompts, 2)
+    got = greedy_generate(fused, prompts, 2, num_blocks=400)
     assert fused.c_forward.c_steps == 2
+    for g, w in zip(got, want, strict=True):
+        step, ref = g.logits[0], w.logits[0]
+        if dtype == torch.float32:
+            torch.testing.assert_close(step, ref, atol=1e-4, rtol=0)
+        else:
+            assert (step - ref).abs().max() <= 0.02 * (ref.max() - ref.min())
