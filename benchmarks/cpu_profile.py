@@ -1,7 +1,7 @@
 """Where a CPU decode step's time goes: host phases, torch ops by name, op counts.
 
 ``python benchmarks/cpu_profile.py`` starts the default model on the CPU, brings ``--batch``
-requests (128-token prompts) to steady decoding, then
+requests (prompts of ``--prompt-len`` tokens, default 128) to steady decoding, then
 
   1. times ``--steps`` engine steps with a timer around each phase (scheduler, model runner,
      the model's forward, logits, sampling, output processing): what is left of a step outside
@@ -19,6 +19,7 @@ the engine chooses, or ``OMP_NUM_THREADS``.
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --one-token-step compiled  # torch layers
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --linears   # the bf16 linear kernel
     OMP_NUM_THREADS=1 python benchmarks/cpu_profile.py --batch 16 --prefills 6  # prompts
+    OMP_NUM_THREADS=2 python benchmarks/cpu_profile.py --batch 256 --prompt-len 256  # contexts
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import SchedulerConfig
 
-PROMPT_LEN = 128
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--profile-steps", type=int, default=None,
                    help="steps under torch.profiler (default: --steps; 0: no profile)")
@@ -140,11 +140,11 @@ def instrument(llm: LLM, timer: PhaseTimer) -> None:
         timer.wrap(kernel_owner, "kernel", "attention kernel")
 
 
-def start_decoding(llm: LLM, batch: int, steps: int) -> None:
+def start_decoding(llm: LLM, batch: int, prompt_len: int, steps: int) -> None:
     rng = np.random.default_rng(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for _ in range(batch):
-        ids = rng.integers(100, llm.engine_core.vocab_size - 100, size=PROMPT_LEN).tolist()
+        ids = rng.integers(100, llm.engine_core.vocab_size - 100, size=prompt_len).tolist()
         llm.add_request({"prompt_token_ids": ids}, params)
     scheduler = llm.engine_core.scheduler
     # Prefill (in several steps where the prompts exceed one step's token budget), then a few
@@ -156,14 +156,14 @@ def start_decoding(llm: LLM, batch: int, steps: int) -> None:
         llm.step()
 
 
-def prefill_seconds(llm: LLM, batch: int, runs: int) -> list[float]:
+def prefill_seconds(llm: LLM, batch: int, prompt_len: int, runs: int) -> list[float]:
     """Process CPU seconds of each of ``runs`` prefills of ``batch`` random prompts."""
     rng = np.random.default_rng(batch)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     vocab = llm.engine_core.vocab_size
     seconds = []
     for run in range(runs + 1):  # run 0 warms up
-        prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=PROMPT_LEN).tolist()}
+        prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=prompt_len).tolist()}
                    for _ in range(batch)]
         start = time.process_time()
         llm.generate(prompts, params, use_tqdm=False)
@@ -215,23 +215,26 @@ def main() -> None:
         compare_linears()
         return
     # Room for every request's tokens at once (the default model in fp32 holds ~46 KB of keys
-    # and values a token, a request here ~10 MB): a smaller cache would leave requests waiting
-    # or preempted, and the timed steps would not be the batch's pure decodes. For the same
-    # reason the engine takes the whole batch at once (the default caps it at 256 requests).
-    kv_bytes = max(1 << 30, args.batch * (16 << 20))
+    # and values a token): a smaller cache would leave requests waiting or preempted, and the
+    # timed steps would not be the batch's pure decodes. For the same reason the engine takes
+    # the whole batch at once (the default caps it at 256 requests).
+    steps = args.steps + (args.profile_steps or args.steps)
+    tokens = args.prompt_len + steps + 16
+    kv_bytes = max(1 << 30, args.batch * max(16 << 20, tokens * (64 << 10)))
     llm = LLM(dtype=args.dtype, kv_cache_memory=kv_bytes, one_token_step=args.one_token_step,
               max_num_seqs=max(args.batch, SchedulerConfig.max_num_seqs))
     if args.prefills:
-        seconds = prefill_seconds(llm, args.batch, args.prefills)
+        seconds = prefill_seconds(llm, args.batch, args.prompt_len, args.prefills)
         print(json.dumps({"batch": args.batch, "dtype": str(llm.config.model.dtype),
                           "prefill_process_cpu_s": seconds}))
         return
     forward = type(llm.engine_core.executor.model_runner.forward_fn).__name__
     timer = PhaseTimer()
     instrument(llm, timer)
-    start_decoding(llm, args.batch, args.steps + (args.profile_steps or args.steps))
+    start_decoding(llm, args.batch, args.prompt_len, steps)
     figures: dict[str, Any] = {
         "batch": args.batch,
+        "prompt_len": args.prompt_len,
         "dtype": str(llm.config.model.dtype),
         "one_token_step": args.one_token_step,
         "forward": forward,
