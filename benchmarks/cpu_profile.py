@@ -218,7 +218,8 @@ def main() -> None:
     # and values a token): a smaller cache would leave requests waiting or preempted, and the
     # timed steps would not be the batch's pure decodes. For the same reason the engine takes
     # the whole batch at once (the default caps it at 256 requests).
-    steps = args.steps + (args.profile_steps or args.steps)
+    profile_steps = args.steps if args.profile_steps is None else args.profile_steps
+    steps = args.steps + profile_steps
     tokens = args.prompt_len + steps + 16
     kv_bytes = max(1 << 30, args.batch * max(16 << 20, tokens * (64 << 10)))
     llm = LLM(dtype=args.dtype, kv_cache_memory=kv_bytes, one_token_step=args.one_token_step,
@@ -241,7 +242,6 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "phases_ms_per_step": timed_phases(llm, timer, args.steps),
     }
-    profile_steps = args.steps if args.profile_steps is None else args.profile_steps
     if profile_steps:
         figures["torch_ops"] = profiled_ops(llm, profile_steps, args.top)
     figures["threads_after"] = torch.get_num_threads()  # the engine's choice, as it ran
