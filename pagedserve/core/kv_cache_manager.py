@@ -46,9 +46,10 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request's tokens.
 
         Returns (blocks, num_cached_tokens). The last token is never a hit, even when the whole
-        prompt is cached: the model must run at least one token to produce logits.
+        prompt is cached: the model must run at least one token to produce logits. A request
+        that does not read the cache (``Request.reads_prefix_cache``) has no hits.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or not request.reads_prefix_cache:
             return [], 0
         block_hashes = update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -105,6 +105,11 @@ class Request:
         self.draft_hot = True
         """Speculative decoding: its last n-gram lookup found drafts (a new request has not
         looked yet), so the engine core plans its next step synchronously."""
+        self.num_prompt_logprob_rows = 0
+        """Prompt-logprob rows received since the request was last admitted; they come in
+        position order from position 1 (such a request never reads the prefix cache)."""
+        self.num_prompt_logprob_rows_sent = 0
+        """Rows passed on: a prompt recomputed after a preemption sends only the rows after."""
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +126,22 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs come from the prompt's own forward pass, which a prefix-cache hit
+        skips: a request that asks for them computes its whole prompt (as vLLM's does)."""
+        return self.sampling_params.prompt_logprobs is None
+
+    def take_prompt_logprob_rows(self, num_rows: int) -> int:
+        """Count the next ``num_rows`` prompt-logprob rows as received; returns how many of
+        them, from the first, were sent before a preemption (the caller drops those)."""
+        first = self.num_prompt_logprob_rows
+        self.num_prompt_logprob_rows += num_rows
+        already_sent = min(max(self.num_prompt_logprob_rows_sent - first, 0), num_rows)
+        self.num_prompt_logprob_rows_sent = max(self.num_prompt_logprob_rows_sent,
+                                                self.num_prompt_logprob_rows)
+        return already_sent
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

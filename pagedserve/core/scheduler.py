@@ -392,6 +392,7 @@ class Scheduler:
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached_tokens
+        request.num_prompt_logprob_rows = 0  # its prompt runs from the start again
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached_tokens
         if request.first_scheduled_time is None:
@@ -437,6 +438,8 @@ class Scheduler:
             # Empty token_ids: a prefill chunk that did not reach the end of the prompt.
             new_token_ids = self._append_tokens(request, token_ids) if token_ids else token_ids
             request_prompt_logprobs = prompt_logprobs.get(rid) if prompt_logprobs else None
+            if request_prompt_logprobs is not None:
+                request_prompt_logprobs = _unsent_prompt_rows(request, request_prompt_logprobs)
             request_logprobs = logprobs.get(rid) if logprobs else None
             if request_logprobs is not None and len(new_token_ids) < len(token_ids):
                 request_logprobs = _first_rows(request_logprobs, len(new_token_ids))
@@ -534,6 +537,17 @@ def _first_rows(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:
     """The logprobs of the first ``num_rows`` tokens (a run cut short by a stop)."""
     return LogprobsLists(logprobs.token_ids[:num_rows], logprobs.logprobs[:num_rows],
                          logprobs.ranks[:num_rows])
+
+
+def _unsent_prompt_rows(request: Request, rows: LogprobsLists) -> LogprobsLists | None:
+    """The step's prompt-logprob rows less those sent before a preemption; None if none is
+    left."""
+    skip = request.take_prompt_logprob_rows(len(rows.ranks))
+    if skip == 0:
+        return rows
+    if skip == len(rows.ranks):
+        return None
+    return LogprobsLists(rows.token_ids[skip:], rows.logprobs[skip:], rows.ranks[skip:])
 
 
 def _check_limits(

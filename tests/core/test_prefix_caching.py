@@ -160,6 +160,20 @@ def test_blocks_cached_for_a_cancelled_step_are_uncached_on_free():
     assert kv.get_computed_blocks(make_request("1", COMMON + [7])) == ([], 0)
 
 
+def test_a_request_with_prompt_logprobs_reads_no_hits_but_fills_the_cache():
+    kv = KVCacheManager(num_blocks=11, block_size=BS, max_model_len=64)
+    admit(kv, make_request("0", COMMON + [3]))
+    # Its prompt logprobs need the whole prompt's forward pass: no hit, fresh blocks.
+    req1 = make_request("1", COMMON + [3], prompt_logprobs=0)
+    hits, n, new = admit(kv, req1)
+    assert (hits, n) == ([], 0) and block_ids(new) == [5, 6, 7, 8]
+    kv.free(req1)
+    # A later request without prompt logprobs still hits the first request's blocks.
+    hits, n, _ = admit(kv, make_request("2", COMMON + [3]))
+    assert block_ids(hits) == [1, 2, 3] and n == 12
+    check_kv_invariants(kv)
+
+
 def test_caching_disabled():
     kv = KVCacheManager(num_blocks=11, block_size=BS, max_model_len=64, enable_caching=False)
     req0, req1 = make_request("0", COMMON + [1]), make_request("1", COMMON + [1])

@@ -81,3 +81,26 @@ def test_logprobs_are_passed_through_and_prompt_logprobs_reported_for_chunks():
     assert out.new_logprobs is sample_lp and out.finish_reason == "length"
     plan = sched.schedule()
     assert sched.update_from_output(plan, ModelRunnerOutput([], [])) == []
+
+
+def test_prompt_logprobs_recomputed_after_a_preemption_are_not_sent_twice():
+    sched = make_scheduler(max_num_batched_tokens=2)
+    sched.add_request(make_request("0", [5, 6, 7, 8, 9], max_tokens=1, prompt_logprobs=0))
+
+    def chunk(rows: list[int]) -> LogprobsLists | None:
+        """One step of 2 prompt tokens with one logprob row per predicted token."""
+        plan = sched.schedule()
+        assert plan.num_scheduled_tokens == {"0": 2}
+        lp = LogprobsLists([[t] for t in rows], [[-1.0]] * len(rows), [1] * len(rows))
+        outs = sched.update_from_output(plan, ModelRunnerOutput(["0"], [[]],
+                                                                prompt_logprobs={"0": lp}))
+        return outs[0].new_prompt_logprobs if outs else None
+
+    first = chunk([6, 7])  # positions 0-1 predict tokens 6 and 7
+    assert first is not None and first.token_ids == [[6], [7]]
+    request = sched.requests["0"]
+    sched._preempt(request)
+    assert chunk([6, 7]) is None  # recomputed from the start: sent already
+    second = chunk([8, 9])
+    assert second is not None and second.token_ids == [[8], [9]]
+    assert request.num_prompt_logprob_rows_sent == 4
