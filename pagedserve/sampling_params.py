@@ -14,6 +14,9 @@ __all__ = ["SamplingParams", "StructuredOutputsParams"]
 _MAX_N = 128
 _MAX_LOGPROBS = 20
 _MAX_STOP_STRINGS = 64
+MAX_ALLOWED_TOKEN_IDS = 2048
+"""Per request: each slot's row of the sampler's allowed-id table is as wide as the longest
+list in use, so the cap bounds that table's memory (a few MiB at hundreds of slots)."""
 
 
 def _token_biases(logit_bias: Any) -> dict[int, float]:
@@ -48,6 +51,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    """Sample only among these token ids (at most 2048; every other logit is -inf before any
+    sampling step, greedy included); None: every token. Logprobs stay the model's."""
     max_tokens: int | None = 16
     """None: up to the context length."""
     min_tokens: int = 0
@@ -59,6 +65,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Number of top logprobs to return per sampled token (the sampled one is always added)."""
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (left truncation; -1: the last max_model_len);
+    None: the whole prompt (too long a prompt is refused)."""
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (a dict of its fields
@@ -83,6 +92,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = token_id_list("allowed_token_ids", self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -115,6 +126,22 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop: every stop string must be a non-empty string"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
             (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids: an empty list allows no token (None: every token)",
+            ),
+            (
+                self.allowed_token_ids is None
+                or len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids, got "
+                f"{len(self.allowed_token_ids or ())} (logit_bias -100 takes a few tokens out)",
+            ),
+            (
+                self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
+                or self.truncate_prompt_tokens == -1,
+                f"truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
+                f"{self.truncate_prompt_tokens}",
+            ),
+            (
                 self.structured_outputs is None or self.min_tokens == 0,
                 "min_tokens: not supported with structured_outputs (the grammar decides where "
                 "the answer ends)",
@@ -138,4 +165,6 @@ class SamplingParams:
         twin.stop = list(self.stop)
         twin.stop_token_ids = list(self.stop_token_ids)
         twin.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            twin.allowed_token_ids = list(self.allowed_token_ids)
         return twin

@@ -1,5 +1,5 @@
 """SamplingParams.clone: an equal copy that shares no mutable field with the original; values
-of the wrong type refused, naming the field."""
+of the wrong type (or an empty allowed_token_ids) refused, naming the field."""
 
 from __future__ import annotations
 
@@ -11,20 +11,23 @@ from pagedserve.sampling_params import SamplingParams
 
 def test_clone_is_equal_and_owns_its_containers() -> None:
     params = SamplingParams(n=2, seed=3, stop=["x"], stop_token_ids=[7], logit_bias={5: 1.5},
-                            max_tokens=9, logprobs=2)
+                            allowed_token_ids=[4, 2], max_tokens=9, logprobs=2)
     twin = params.clone()
     assert twin == params and twin is not params
     twin.stop.append("y")
     twin.stop_token_ids.append(8)
     twin.logit_bias[6] = -1.0
+    twin.allowed_token_ids.append(9)
     twin.max_tokens = 4
     assert params.stop == ["x"] and params.stop_token_ids == [7]
     assert params.logit_bias == {5: 1.5} and params.max_tokens == 9
+    assert params.allowed_token_ids == [4, 2]
 
 
 def test_clone_without_logit_bias() -> None:
     twin = SamplingParams().clone()
-    assert twin.logit_bias is None and twin == SamplingParams()
+    assert twin.logit_bias is None and twin.allowed_token_ids is None
+    assert twin == SamplingParams()
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -38,6 +41,10 @@ def test_clone_without_logit_bias() -> None:
     ({"logit_bias": {"a": 1.0}}, "logit_bias: 'a' is not a token id"),
     ({"logit_bias": {"5": "x"}}, "logit_bias: the bias for token '5' is not a number"),
     ({"logit_bias": [1, 2]}, "logit_bias: expected a dict"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids: expected a list of token ids"),
+    ({"allowed_token_ids": [1.5]}, "allowed_token_ids: expected a list of token ids"),
+    ({"allowed_token_ids": [True]}, "allowed_token_ids: expected a list of token ids"),
+    ({"allowed_token_ids": ["3"]}, "allowed_token_ids: expected a list of token ids"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_its_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"^{message}"):
@@ -46,10 +53,31 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_field(kwargs: dict, mes
 
 def test_json_shaped_values_are_taken_as_their_python_types() -> None:
     params = SamplingParams(temperature=1, stop=("a", "b"), stop_token_ids=[np.int64(7)],
-                            logit_bias={"5": 2}, max_tokens=np.int64(9))
+                            logit_bias={"5": 2}, allowed_token_ids=(np.int32(3), 1),
+                            max_tokens=np.int64(9))
     assert params.temperature == 1 and params.stop == ["a", "b"]
     assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int
     assert params.logit_bias == {5: 2.0}
+    assert params.allowed_token_ids == [3, 1] and type(params.allowed_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("ids", [[], ()])
+def test_empty_allowed_token_ids_refused(ids: list[int]) -> None:
+    """vLLM refuses it too: it would allow no token at all (None allows every one)."""
+    with pytest.raises(ValueError, match="^allowed_token_ids: an empty list"):
+        SamplingParams(allowed_token_ids=ids)
+
+
+def test_allowed_token_ids_above_the_cap_refused() -> None:
+    assert len(SamplingParams(allowed_token_ids=list(range(2048))).allowed_token_ids) == 2048
+    with pytest.raises(ValueError, match="^allowed_token_ids: at most 2048 ids, got 2049"):
+        SamplingParams(allowed_token_ids=list(range(2049)))
+
+
+@pytest.mark.parametrize("keep", [0, -2])
+def test_truncate_prompt_tokens_out_of_range_refused(keep: int) -> None:
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens must be -1"):
+        SamplingParams(truncate_prompt_tokens=keep)
 
 
 @pytest.mark.parametrize("temperature", [-0.5, 100.5, 1e308, float("inf")])

@@ -67,6 +67,11 @@ def check_unicode(field: str, text: str) -> None:
         ) from None
 
 
+def _require_sampling_params(params: object) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+
+
 def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
@@ -295,12 +300,10 @@ class InputProcessor:
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """Validate ``params`` against the model; return a copy with ``max_tokens`` filled and
         the model's extra EOS ids in ``stop_token_ids`` (the caller's object is not changed)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
-            )
+        _require_sampling_params(params)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.stop and not params.detokenize:
             raise ValueError("stop: stop strings need detokenize=True")
         if params.stop:
@@ -326,7 +329,8 @@ class InputProcessor:
 
         Raises ``ValueError`` naming the field (prompt, max_tokens, stop_token_ids, ...).
         """
-        text, prompt_token_ids = self.tokenize(prompt)
+        _require_sampling_params(params)
+        text, prompt_token_ids = self._truncate(params, *self.tokenize(prompt))
         if not prompt_token_ids:
             raise ValueError("prompt: the prompt is empty (it has no tokens)")
         self._check_token_ids("prompt_token_ids", prompt_token_ids)
@@ -349,6 +353,19 @@ class InputProcessor:
         return ProcessedRequest(
             request_id, text, prompt_token_ids, resolved, requests, arrival_time
         )
+
+    def _truncate(
+        self, params: SamplingParams, text: str | None, token_ids: list[int]
+    ) -> tuple[str | None, list[int]]:
+        """``truncate_prompt_tokens``: the prompt's last k tokens (vLLM's left truncation); the
+        text is then the kept tokens' (None without a tokenizer)."""
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is None or len(token_ids) <= keep:
+            return text, token_ids
+        kept = token_ids[-keep:]
+        return (None if self.tokenizer is None else self.tokenizer.decode(kept)), kept
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:

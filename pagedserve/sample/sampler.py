@@ -2,18 +2,21 @@
 
 It reads the sampling parameters from ``SamplingStates`` (the sampling columns of the request
 slots, brought to the device by the step's staging copy) and keeps only what is its own: the
-token histories of the penalties and the logit_bias / min_tokens tables, device tensors keyed
-by the same slots.
+token histories of the penalties and the logit_bias / min_tokens / allowed_token_ids tables,
+device tensors keyed by the same slots.
 
 Per step (rows gathered through idx_mapping, batch row -> slot):
   1. logits upcast to fp32 (the model's logits stay untouched, for raw logprobs)
-  2. logit_bias, then min_tokens (-inf on stop tokens while the slot is under min_tokens)
+  2. logit_bias, then min_tokens (-inf on stop tokens while the slot is under min_tokens), then
+     allowed_token_ids (-inf on every other token), so every later step, greedy included,
+     chooses among the allowed tokens only
   3. repetition / frequency / presence penalties
   4. greedy rows (temperature < 1e-5): argmax of these processed logits
   5. other rows: divide by temperature (fp32), min-p, top-k, top-p, then the Gumbel-max race
      argmax(logits + g) with g from a counter-based hash of (seed, output index, vocab index)
      (token_sampler.py: torch ops on the CPU, Triton kernels on CUDA, same tokens)
-  6. logprobs, if any row asks: raw log_softmax of the model's logits (see logprob.py)
+  6. logprobs, if any row asks: raw log_softmax of the model's logits (see logprob.py), so
+     unaffected by steps 2-5 (vLLM's default, "raw_logprobs")
 
 Steps 2-3 run only when some row of the batch needs them; otherwise step 5 reads the model's
 logits as they are (the token samplers never modify their input).
@@ -72,7 +75,8 @@ class Sampler:
         eos_token_id: int | None = None,
     ) -> None:
         """Build the sampler's own state of a request that takes ``slot`` (its parameters are
-        in ``states`` already): penalty histories, logit_bias and min_tokens stop tokens.
+        in ``states`` already): penalty histories, logit_bias, min_tokens stop tokens and
+        allowed token ids.
 
         output_token_ids is non-empty when a preempted request resumes: its penalty counts
         continue where they stopped (``states`` continues its output count, hence min_tokens
@@ -81,6 +85,7 @@ class Sampler:
         if not 0 <= slot < self.max_num_reqs:
             raise ValueError(f"slot: {slot} not in [0, {self.max_num_reqs})")
         _check_token_ids("logit_bias", list(params.logit_bias or {}), self.vocab_size)
+        _check_token_ids("allowed_token_ids", params.allowed_token_ids or [], self.vocab_size)
         _check_token_ids(
             "stop_token_ids", min_tokens_stop_ids(params, eos_token_id), self.vocab_size
         )
@@ -116,7 +121,8 @@ class Sampler:
     def process_logits(
         self, logits: torch.Tensor, idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray
     ) -> torch.Tensor:
-        """fp32 [num_rows, V]: the logits after logit_bias, min_tokens and penalties.
+        """fp32 [num_rows, V]: the logits after logit_bias, min_tokens, allowed_token_ids and
+        penalties.
 
         A new tensor; ``logits`` is not modified. Temperature and truncation come later.
         """

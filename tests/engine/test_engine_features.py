@@ -204,3 +204,43 @@ def test_logprobs_match_transformers(llama):
         entry = output.prompt_logprobs[j]
         assert abs(entry[prompt[j]].logprob - float(ref[j - 1, prompt[j]])) < 1e-4
         assert len(entry) in (3, 4)  # the top-3, plus the prompt token when outside them
+
+
+def test_prompt_logprobs_of_a_cached_prompt_cover_every_position(llama):
+    """A prompt whose blocks are in the prefix cache is computed again for its logprobs."""
+    llm, _, tokenizer = llama
+    prompt = [{"prompt_token_ids": _prompts(len(tokenizer), 1, seed=5)[0] * 3}]
+    assert len(prompt[0]["prompt_token_ids"]) > 2 * llm.config.cache.block_size
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    (cold,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                  prompt_logprobs=1), use_tqdm=False)
+    (warm,) = llm.generate(prompt, greedy, use_tqdm=False)
+    assert warm.num_cached_tokens > 0
+    (again,) = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                   prompt_logprobs=1), use_tqdm=False)
+    assert again.num_cached_tokens == 0
+    assert len(again.prompt_logprobs) == len(cold.prompt_logprobs) == len(cold.prompt_token_ids)
+    for a, b in zip(again.prompt_logprobs[1:], cold.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_allowed_token_ids(llama):
+    """Sampled (temperature 1) and greedy requests restricted to a few ids emit only those,
+    next to an unrestricted request in the same batches that gets the tokens it gets alone."""
+    llm, _, tokenizer = llama
+    prompts = _prompts(len(tokenizer), 3, seed=9)
+    allowed = [7, 64, 200]
+    assert tokenizer.eos_token_id not in allowed
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    params = [
+        SamplingParams(allowed_token_ids=allowed, max_tokens=8, temperature=1.0, seed=0),
+        free,
+        SamplingParams(allowed_token_ids=allowed, max_tokens=8, temperature=0.0),
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sampled, unrestricted, greedy = (o.outputs[0].token_ids for o in outputs)
+    assert len(sampled) == 8 and set(sampled) <= set(allowed) and len(set(sampled)) > 1
+    assert len(greedy) == 8 and set(greedy) <= set(allowed)
+    assert not set(unrestricted) <= set(allowed)
+    assert unrestricted == _tokens(llm, prompts[1], free)

@@ -42,6 +42,23 @@ def test_max_tokens_none_fills_the_context(processor):
     assert processed.requests[0].max_tokens == MAX_MODEL_LEN - 3
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(processor, tokenizer):
+    text = "Hello world, this is a tiny tokenizer"
+    ids = tokenizer.encode(text)
+    assert len(ids) > 4
+    kept = processor.process_inputs("r", text, SamplingParams(truncate_prompt_tokens=4))
+    assert kept.prompt_token_ids == ids[-4:] and kept.requests[0].prompt_token_ids == ids[-4:]
+    assert kept.prompt == tokenizer.decode(ids[-4:])
+    whole = processor.process_inputs("r", text, SamplingParams(truncate_prompt_tokens=len(ids)))
+    assert (whole.prompt, whole.prompt_token_ids) == (text, ids)
+    # -1: the last max_model_len tokens (then no room is left for an output token).
+    long_ids = list(range(3, 3 + MAX_MODEL_LEN + 10))
+    fits = processor.process_inputs("r", long_ids, SamplingParams(truncate_prompt_tokens=10))
+    assert fits.prompt_token_ids == long_ids[-10:] and fits.sampling_params.max_tokens == 16
+    with pytest.raises(ValueError, match="^prompt: the prompt has 64 tokens"):
+        processor.process_inputs("r", long_ids, SamplingParams(truncate_prompt_tokens=-1))
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "field"),
     [
@@ -53,6 +70,8 @@ def test_max_tokens_none_fills_the_context(processor):
         ([1, 10_000], SamplingParams(), "prompt_token_ids"),
         ([1], SamplingParams(stop_token_ids=[10_000]), "stop_token_ids"),
         ([1], SamplingParams(logit_bias={10_000: 1.0}), "logit_bias"),
+        ([1], SamplingParams(allowed_token_ids=[3, 10_000]), "allowed_token_ids"),
+        ([1], SamplingParams(allowed_token_ids=[-1]), "allowed_token_ids"),
         ([1], SamplingParams(stop=["x"], detokenize=False), "stop"),
         ([1, True], SamplingParams(), "prompt: expected a list of token ids"),
         ({"prompt_token_ids": [1, "x"]}, SamplingParams(), "prompt_token_ids: expected"),

@@ -219,3 +219,33 @@ def test_async_scheduling_gives_the_same_tokens(engines, checkpoints):
     spec.engine_core.scheduler.proposer = ReferenceProposer(sequences)
     assert _generate(spec, prompts, params) == expected
     assert spec.engine_core.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_allowed_token_ids_with_drafts(engines):
+    """Verification samples through the same processing, so allowed_token_ids hold there too:
+    the drafts (the plain engine's tokens, with wrong ones the restriction rules out) leave the
+    tokens those of the plain engine, greedy and seeded."""
+    plain, spec, tokenizer = engines
+    prompts = _prompts(len(tokenizer))
+    allowed = sorted(random.Random(4).sample(range(3, len(tokenizer)), 6))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=3, seed=8, max_tokens=20, ignore_eos=True,
+                       allowed_token_ids=allowed[:2]),
+    ]
+    expected = _generate(plain, prompts, params)
+    sequences = [p + c[0] for p, out in zip(prompts, expected, strict=True) for c in out]
+    scheduler = spec.engine_core.scheduler
+    before = scheduler.get_stats().spec_decode_num_accepted_tokens
+    saved, scheduler.proposer = scheduler.proposer, ReferenceProposer(sequences, wrong_every=4)
+    try:
+        got = _generate(spec, prompts, params)
+    finally:
+        scheduler.proposer = saved
+    assert got == expected
+    assert scheduler.get_stats().spec_decode_num_accepted_tokens > before
+    for i in (0, 1, 3):
+        assert set(got[i][0][0]) <= set(params[i].allowed_token_ids)

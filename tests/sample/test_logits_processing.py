@@ -1,4 +1,5 @@
-"""logit_bias, min_tokens and penalties change the logits exactly as specified (vLLM's rules)."""
+"""logit_bias, min_tokens, allowed_token_ids and penalties change the logits exactly as specified
+(vLLM's rules)."""
 
 from __future__ import annotations
 
@@ -162,3 +163,67 @@ def test_logit_bias_table_grows_without_losing_rows() -> None:
     got = processed(sampler, torch.zeros(2, V), [0, 2])
     assert got[0].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
     assert got[1].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+
+
+def allowed_only(logits: list[float], allowed: list[int]) -> np.ndarray:
+    """The rule: -inf everywhere but at the allowed ids, whose logits are unchanged."""
+    return np.array([x if t in allowed else -np.inf for t, x in enumerate(logits)], np.float32)
+
+
+def test_allowed_token_ids_mask_every_other_token_and_pad_without_token_0(
+    device: torch.device,
+) -> None:
+    """Rows of 1 and 3 ids in a table of width 4: their padding must not let token 0 through
+    (unless it is allowed), and an unrestricted row in the same batch is untouched."""
+    rows = {0: [0], 1: [6, 0, 3], 2: [5], 3: None, 4: [2, 7, 1, 4]}
+    sampler = make_sampler(5, V, device)
+    for slot, allowed in rows.items():
+        add_request(sampler, slot, SamplingParams(allowed_token_ids=allowed), [0], [])
+    assert sampler.logit_bias.allowed.width == 4
+    got = processed(sampler, torch.tensor([RAW] * 5, device=device), [4, 3, 2, 1, 0])
+    np.testing.assert_array_equal(got[0], allowed_only(RAW, [1, 2, 4, 7]))
+    np.testing.assert_array_equal(got[1], np.array(RAW, dtype=np.float32))
+    np.testing.assert_array_equal(got[2], allowed_only(RAW, [5]))
+    np.testing.assert_array_equal(got[3], allowed_only(RAW, [0, 3, 6]))
+    np.testing.assert_array_equal(got[4], allowed_only(RAW, [0]))
+
+
+def test_allowed_token_ids_after_logit_bias_and_min_tokens() -> None:
+    """The bias moves an allowed logit; min_tokens still blocks an allowed stop token."""
+    params = SamplingParams(allowed_token_ids=[1, 4, 7], logit_bias={4: 2.0, 5: 9.0},
+                            min_tokens=2, repetition_penalty=2.0)
+    sampler = make_sampler(1, V, torch.device("cpu"))
+    add_request(sampler, 0, params, [1], [], eos_token_id=7)
+    got = processed(sampler, torch.tensor([RAW]), [0])[0]
+    # Token 1: -0.5 in the prompt, multiplied by the repetition penalty.
+    expected = [-np.inf, -1.0, -np.inf, -np.inf, 2.25, -np.inf, -np.inf, -np.inf]
+    np.testing.assert_array_equal(got, np.array(expected, dtype=np.float32))
+
+
+def test_allowed_token_ids_cleared_when_the_slot_is_reused() -> None:
+    sampler = make_sampler(2, V, torch.device("cpu"))
+    add_request(sampler, 1, SamplingParams(allowed_token_ids=[3, 4]), [0], [])
+    sampler.states.remove_request(1)
+    add_request(sampler, 1, SamplingParams(logit_bias={2: 1.0}), [0], [])
+    expected = np.array(RAW, dtype=np.float32)
+    expected[2] += 1.0
+    np.testing.assert_array_equal(processed(sampler, torch.tensor([RAW]), [1])[0], expected)
+    # A restricted request in the slot again, alone in a batch after the table grew.
+    add_request(sampler, 0, SamplingParams(allowed_token_ids=list(range(5))), [0], [])
+    add_request(sampler, 1, SamplingParams(allowed_token_ids=[6]), [0], [])
+    np.testing.assert_array_equal(processed(sampler, torch.tensor([RAW]), [1])[0],
+                                  allowed_only(RAW, [6]))
+
+
+def test_allowed_token_ids_table_grows_without_losing_rows() -> None:
+    """A row written at width 1 keeps only its own token once the table is 8 wide (the new
+    columns repeat its id, not token 0)."""
+    sampler = make_sampler(3, V, torch.device("cpu"))
+    add_request(sampler, 0, SamplingParams(allowed_token_ids=[5]), [0], [])
+    add_request(sampler, 1, SamplingParams(), [0], [])
+    add_request(sampler, 2, SamplingParams(allowed_token_ids=[1, 2, 3, 4, 6]), [0], [])
+    assert sampler.logit_bias.allowed.width == 8
+    got = processed(sampler, torch.tensor([RAW] * 3), [0, 1, 2])
+    np.testing.assert_array_equal(got[0], allowed_only(RAW, [5]))
+    np.testing.assert_array_equal(got[1], np.array(RAW, dtype=np.float32))
+    np.testing.assert_array_equal(got[2], allowed_only(RAW, [1, 2, 3, 4, 6]))

@@ -67,6 +67,7 @@ OTHERS = [
     SamplingParams(temperature=0.5, top_p=0.5, logit_bias={3: 4.0}),
     SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=[2]),
     SamplingParams(temperature=2.0, frequency_penalty=0.7),
+    SamplingParams(temperature=0.8, top_k=3, allowed_token_ids=[0, 9, 33, 50, 63]),
 ]
 
 
@@ -120,6 +121,91 @@ def test_resumed_request_continues_its_stream(device: torch.device) -> None:
     assert [step[0] for step in run_steps(resumed, [1], logits[6:])] == tokens[6:]
 
 
+ALLOWED = [0, 5, 17, 40, 41]
+"""Token 0 among them: the table's padding must not be what lets it through."""
+
+
+def _steps_favouring_a_forbidden_token(num_rows: int, num_steps: int,
+                                       device: torch.device) -> list[torch.Tensor]:
+    """Random logits whose argmax is token 63, far ahead (a row that ignores its allowed ids
+    picks it almost always, greedy or not)."""
+    gen = torch.Generator().manual_seed(8)
+    steps = [torch.randn(num_rows, V, generator=gen) for _ in range(num_steps)]
+    for logits in steps:
+        logits[:, 63] = 12.0
+    return [logits.to(device) for logits in steps]
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows(device: torch.device) -> None:
+    """A batch of restricted rows (greedy, and random ones at temperature 1 with several seeds,
+    one also with top-k and top-p) among unrestricted ones, whose tokens are those they get
+    without any restricted row beside them."""
+    restricted = {
+        0: SamplingParams(temperature=0.0, allowed_token_ids=ALLOWED),
+        2: SamplingParams(temperature=0.0, allowed_token_ids=[0]),
+        3: SamplingParams(temperature=1.0, seed=1, allowed_token_ids=ALLOWED),
+        5: SamplingParams(temperature=1.0, seed=2, allowed_token_ids=ALLOWED),
+        6: SamplingParams(temperature=1.0, allowed_token_ids=ALLOWED),  # the engine seed's
+        7: SamplingParams(temperature=1.0, seed=3, top_k=2, top_p=0.99,
+                          allowed_token_ids=[9, 10, 11]),
+    }
+    free = {
+        1: SamplingParams(temperature=0.0),
+        4: SamplingParams(temperature=1.0, seed=4),
+        8: SamplingParams(temperature=1.5, seed=5, top_k=10),
+    }
+    slots = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    steps = _steps_favouring_a_forbidden_token(len(slots), 24, device)
+    mixed = make_sampler(9, V, device, seed=6)
+    for slot in slots:
+        add_request(mixed, slot, {**restricted, **free}[slot], [1], [])
+    tokens = run_steps(mixed, slots, steps)
+
+    for step, logits in zip(tokens, steps, strict=True):
+        best = logits[0, ALLOWED].argmax().item()
+        assert step[0] == ALLOWED[best] and step[2] == 0
+    for row in (3, 5, 6):
+        drawn = {step[row] for step in tokens}
+        assert drawn <= set(ALLOWED) and len(drawn) > 1, drawn
+    for step, logits in zip(tokens, steps, strict=True):  # top-k of the allowed logits
+        top2 = [9 + t for t in logits[7, 9:12].topk(2).indices.tolist()]
+        assert step[7] in top2
+
+    alone = make_sampler(9, V, device, seed=6)
+    for slot in free:
+        add_request(alone, slot, free[slot], [1], [])
+    rows = [slots.index(slot) for slot in free]
+    free_tokens = run_steps(alone, list(free), [x[rows] for x in steps])
+    assert [[step[r] for r in rows] for step in tokens] == free_tokens
+    assert all(step[rows[0]] == 63 for step in tokens)  # the argmax, unrestricted
+
+
+def test_allowed_token_ids_gone_when_the_slot_is_reused(device: torch.device) -> None:
+    steps = _steps_favouring_a_forbidden_token(1, 4, device)
+    sampler = make_sampler(2, V, device)
+    add_request(sampler, 1, SamplingParams(temperature=0.0, allowed_token_ids=ALLOWED), [1], [])
+    assert all(step[0] in ALLOWED for step in run_steps(sampler, [1], steps))
+    sampler.states.remove_request(1)
+    add_request(sampler, 1, SamplingParams(temperature=0.0, logit_bias={2: 1.0}), [1], [])
+    assert run_steps(sampler, [1], steps) == [[63]] * 4
+
+
+def test_logprobs_of_a_restricted_row_stay_raw() -> None:
+    """The token is an allowed one; its logprob and the top ones are the model's."""
+    logits = _steps_favouring_a_forbidden_token(1, 1, torch.device("cpu"))[0]
+    sampler = make_sampler(1, V, torch.device("cpu"))
+    add_request(sampler, 0, SamplingParams(temperature=0.0, allowed_token_ids=ALLOWED,
+                                           logprobs=1), [1], [])
+    idx_mapping, idx_np = batch_of([0], torch.device("cpu"))
+    out = sampler(logits, idx_mapping, idx_np)
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits.float(), dim=-1)[0]
+    token = int(out.sampled_token_ids[0])
+    assert token in ALLOWED
+    assert out.logprobs.token_ids[0].tolist() == [token, 63]
+    torch.testing.assert_close(out.logprobs.logprobs[0], raw[[token, 63]])
+
+
 def test_engine_seed_makes_unseeded_requests_reproducible() -> None:
     logits = [torch.zeros(3, V)] * 6
 
@@ -137,6 +223,8 @@ def test_engine_seed_makes_unseeded_requests_reproducible() -> None:
     ("params", "eos", "field"),
     [
         (SamplingParams(logit_bias={V: 1.0}), None, "logit_bias"),
+        (SamplingParams(allowed_token_ids=[3, V]), None, "allowed_token_ids"),
+        (SamplingParams(allowed_token_ids=[-2]), None, "allowed_token_ids"),
         (SamplingParams(min_tokens=2, stop_token_ids=[-1]), None, "stop_token_ids"),
         (SamplingParams(min_tokens=2), V + 5, "stop_token_ids"),
         (SamplingParams(repetition_penalty=1.1), None, "prompt_token_ids"),

@@ -151,11 +151,14 @@ def test_fused_pass_samples_the_reference_tokens(num_splits: int) -> None:
 
 
 def test_triton_sampler_matches_the_torch_sampler_step_by_step() -> None:
-    """End to end through Sampler (logit_bias and penalties give it fp32 processed logits,
-    the other batches pass raw bf16 logits), advancing the noise counters each step."""
+    """End to end through Sampler (logit_bias, penalties and allowed_token_ids give it fp32
+    processed logits, the other batches pass raw bf16 logits), advancing the noise counters
+    each step."""
     params = MIXED + [
         SamplingParams(temperature=0.7, top_p=0.8, logit_bias={5: 3.0}),
         SamplingParams(top_k=10, presence_penalty=0.5),
+        SamplingParams(top_k=5, top_p=0.9, allowed_token_ids=[t for t in range(40) if t % 3]),
+        SamplingParams(temperature=1.5, min_p=0.05, allowed_token_ids=[4, 5, 7, 500, 998]),
     ]
     runs = []
     for token_sampler in (TorchTokenSampler(V, DEVICE), TritonTokenSampler(V, DEVICE, 64)):

@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.entrypoints.openai.responses import CompletionLogprobs, TokenLogprob, TopLogprob
+from pagedserve.entrypoints.openai.responses import (
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
 from pagedserve.outputs import Logprob
 
 MIN_LOGPROB = -9999.0
@@ -25,17 +31,25 @@ def _token_text(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
     return tokenizer.decode([token_id])
 
 
+def _kept(token_id: int, position: dict[int, Logprob], top_n: int) -> dict[int, Logprob]:
+    """The position's entries a response shows: the token itself and those ranked <= top_n
+    (the engine may have computed more, for another field of the same request)."""
+    return {tid: lp for tid, lp in position.items()
+            if tid == token_id or (lp.rank is not None and lp.rank <= top_n)}
+
+
 def append_completion_logprobs(
     out: CompletionLogprobs,
     token_ids: list[int],
     positions: Sequence[Position],
     tokenizer: Any,
     text_offset: int,
+    top_n: int,
 ) -> int:
     """Append one entry per token to the legacy lists; returns the text offset after them.
 
     ``text_offset`` is where the first token's text starts in the choice's text. A position
-    of None (the prompt's first token) has no logprob.
+    of None (the prompt's first token) has no logprob. ``top_n``: the request's ``logprobs``.
     """
     for token_id, position in zip(token_ids, positions, strict=True):
         sampled = None if position is None else position.get(token_id)
@@ -48,10 +62,25 @@ def append_completion_logprobs(
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(_value(sampled))
-        out.top_logprobs.append(
-            {_token_text(tid, lp, tokenizer): _value(lp) for tid, lp in position.items()}
-        )
+        out.top_logprobs.append({_token_text(tid, lp, tokenizer): _value(lp)
+                                 for tid, lp in _kept(token_id, position, top_n).items()})
     return text_offset
+
+
+def prompt_logprobs(
+    token_ids: list[int], positions: Sequence[Position] | None, top_n: int, tokenizer: Any
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, the token and the ``top_n`` most likely
+    ones at its position, with their ranks and text."""
+    positions = positions or [None] * len(token_ids)
+    return [
+        None if position is None else {
+            tid: PromptLogprob(logprob=_value(lp), rank=lp.rank,
+                               decoded_token=_token_text(tid, lp, tokenizer))
+            for tid, lp in _kept(token_id, position, top_n).items()
+        }
+        for token_id, position in zip(token_ids, positions, strict=True)
+    ]
 
 
 def _top_logprob(token_id: int, lp: Logprob, tokenizer: Any) -> TopLogprob:

@@ -19,7 +19,7 @@ from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.entrypoints.openai.tools_protocol import MessageToolCall, ToolFields
 from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
-from pagedserve.sampling_params import MAX_TEMPERATURE, SamplingParams
+from pagedserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams
 from pagedserve.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128
@@ -28,7 +28,8 @@ MAX_STOP = 64
 
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "logprobs", "add_generation_prompt",
+    "skip_special_tokens", "logprobs", "add_generation_prompt", "return_token_ids",
+    "add_special_tokens",
 })
 """Fields whose explicit null means their default (``_or_null`` says so in the schema)."""
 
@@ -59,6 +60,8 @@ StopField = Annotated[
 class StreamOptions(RequestBody):
     include_usage: bool = False
     """Send a last chunk with ``usage`` and no choices before ``data: [DONE]``."""
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk also carries the ``usage`` so far (needs ``include_usage``)."""
 
 
 class SamplingFields(StructuredOutputFields):
@@ -97,6 +100,19 @@ class SamplingFields(StructuredOutputFields):
     include_stop_str_in_output: bool = Field(False, json_schema_extra=_or_null)
     skip_special_tokens: bool = Field(True, json_schema_extra=_or_null)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
+    allowed_token_ids: list[TokenId] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="Sample only among these token ids (every other logit is -inf).")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="Keep only the prompt's last k tokens (-1: max_model_len).")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="The log-probability of every prompt token and the most likely tokens at "
+        "its position: in each choice (completions) or in the response (chat); not with stream.")
+    return_token_ids: bool = Field(
+        False, description="Add the prompt's token ids (prompt_token_ids) and each choice's "
+        "(token_ids); a stream sends the prompt's in its first chunk, each chunk's new ids.",
+        json_schema_extra=_or_null)
     # pagedserve's extra.
     timeout: float | None = Field(
         None,
@@ -139,12 +155,28 @@ class SamplingFields(StructuredOutputFields):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
+    def _check_stream_fields(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats and (
+            not self.stream_options.include_usage
+        ):
+            raise ValueError("stream_options.continuous_usage_stats: needs include_usage")
+
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
         defaults: Mapping[str, Any],
     ) -> SamplingParams:
         """``defaults``: the model's generation_config values (``default_sampling_values``)
         for the fields the request leaves unset; then the engine's own defaults."""
+
+        self._check_stream_fields()
 
         def given(name: str, engine_default: Any) -> Any:
             value = getattr(self, name)
@@ -168,6 +200,8 @@ class SamplingFields(StructuredOutputFields):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.structured_outputs_params(),
@@ -187,9 +221,13 @@ class CompletionRequest(SamplingFields):
     prompt: PromptField = Field(
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    max_tokens: int | None = Field(16, ge=1, description="null: up to the context length.")
+    max_tokens: int | None = Field(
+        16, ge=0, description="null: up to the context length; 0 (with echo): the prompt only.")
     echo: bool = Field(False, description="Return the prompt in front of the completion.",
                        json_schema_extra=_or_null)
+    add_special_tokens: bool = Field(
+        True, description="Add the tokenizer's special tokens (BOS) to a text prompt.",
+        json_schema_extra=_or_null)
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Top log-probabilities per token (legacy format)."
     )
@@ -230,11 +268,22 @@ class CompletionRequest(SamplingFields):
         """``defaults``: the model's default sampling values, for the fields left unset."""
         defaults = defaults or {}
         # echo with logprobs also reports the prompt tokens' logprobs, as the legacy API does.
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        echo_logprobs = self.logprobs if self.echo else None
+        prompt_logprobs = max((k for k in (echo_logprobs, self.prompt_logprobs) if k is not None),
+                              default=None)
         max_tokens = self.max_tokens
         if "max_tokens" not in self.model_fields_set:
             max_tokens = defaults.get("max_tokens", max_tokens)
+        if max_tokens == 0:
+            if not self.echo:
+                raise ValueError("max_tokens: 0 needs echo (the response is the prompt alone)")
+            max_tokens = 1  # the engine computes one token, which the response leaves out
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens: 0`` with echo: each choice is the prompt, without a completion."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(RequestBody):
@@ -347,7 +396,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         )
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
-        params = self._sampling_params(max_tokens, logprobs, None, defaults)
+        params = self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
         if self.effective_tool_choice == "auto" and (
             "skip_special_tokens" not in self.model_fields_set
         ):

@@ -36,11 +36,15 @@ class RequestLimits:
                    "completions per request (prompts x n)", "--max-completions-per-request")
         if request.logprobs is not None:
             self._check_logprobs("logprobs", request.logprobs)
+        if request.prompt_logprobs is not None:
+            self._check_logprobs("prompt_logprobs", request.prompt_logprobs)
 
     def check_chat(self, request: ChatCompletionRequest) -> None:
         self._check_n(request.n)
         if request.top_logprobs is not None:
             self._check_logprobs("top_logprobs", request.top_logprobs)
+        if request.prompt_logprobs is not None:
+            self._check_logprobs("prompt_logprobs", request.prompt_logprobs)
 
     def _check_n(self, n: int) -> None:
         _check_cap("n", n, self.max_n, "completions per prompt", "--max-n")

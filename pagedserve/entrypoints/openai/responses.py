@@ -50,12 +50,31 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    """1 = the most likely token at that position."""
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""Per prompt token, {token id: entry} (JSON keys are strings): the prompt's token and the
+most likely ones; None at the first position (nothing precedes it)."""
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids (a stream: in the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated ids (a stream: the chunk's new ones)."""
 
 
 class CompletionResponse(BaseModel):
@@ -109,6 +128,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated ids."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -118,6 +139,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the rendered conversation's token ids."""
 
 
 class DeltaFunctionCall(BaseModel):
@@ -147,6 +171,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the ids new in this chunk."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -156,6 +182,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: in the first chunk."""
 
 
 # ---- models, tokenizer, errors ----------------------------------------------------------------

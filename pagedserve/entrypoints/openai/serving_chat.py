@@ -21,7 +21,7 @@ from pagedserve.entrypoints.openai.chat_output import (
     OutputParsing,
     tool_calls,
 )
-from pagedserve.entrypoints.openai.logprobs import chat_logprobs
+from pagedserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedserve.entrypoints.openai.request_limits import RequestLimits
 from pagedserve.entrypoints.openai.responses import (
@@ -89,7 +89,7 @@ class OpenAIServingChat:
                 self.engine, [processed], RequestOutputKind.DELTA, request.timeout
             )
         return StreamingResponse(
-            self._stream(request, model, request_id, streams[0], parser),
+            self._stream(request, model, processed, streams[0], parser),
             media_type="text/event-stream",
         )
 
@@ -141,6 +141,7 @@ class OpenAIServingChat:
                 logprobs=self._logprobs(request, c),
                 finish_reason=_finish_reason(c.finish_reason, len(calls)),
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if request.return_token_ids else None,
             ))
         usage = UsageInfo.of(
             len(final.prompt_token_ids),
@@ -148,45 +149,57 @@ class OpenAIServingChat:
             final.num_cached_tokens or 0,
         )
         response = ChatCompletionResponse(
-            id=processed.request_id, model=model, choices=choices, usage=usage
+            id=processed.request_id, model=model, choices=choices, usage=usage,
+            prompt_token_ids=_prompt_ids(request, processed),
         )
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs(
+                final.prompt_token_ids, final.prompt_logprobs, request.prompt_logprobs,
+                self.engine.tokenizer,
+            )
         return JSONResponse(response.model_dump())
 
     # -- streaming -----------------------------------------------------------------------------
 
     async def _stream(
-        self, request: ChatCompletionRequest, model: str, request_id: str, stream: RequestStream,
-        parser: ChoiceParser,
+        self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest,
+        stream: RequestStream, parser: ChoiceParser,
     ) -> AsyncIterator[str]:
         created = now()
+        prompt_tokens = len(processed.prompt_token_ids)
+        choice_tokens = [0] * request.n  # completion tokens so far, per choice
+        cached_tokens = 0
 
-        def chunk(choice: ChatChunkChoice) -> str:
-            return sse(
-                ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
-            )
+        def chunk(choice: ChatChunkChoice, prompt_ids: list[int] | None = None) -> str:
+            usage = None
+            if request.continuous_usage:
+                usage = UsageInfo.of(prompt_tokens, choice_tokens[choice.index], cached_tokens)
+            return sse(ChatCompletionChunk(id=processed.request_id, created=created, model=model,
+                                           choices=[choice], usage=usage,
+                                           prompt_token_ids=prompt_ids))
 
         echo = self._echo_text(request)
         texts = [ChoiceStream(parser, self.output_parsing.new_call_id) for _ in range(request.n)]
-        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             for index in range(request.n):
                 yield chunk(
-                    ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+                    ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content="")),
+                    _prompt_ids(request, processed) if index == 0 else None,
                 )
                 if echo:
                     yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=echo)))
             async for output in stream:
-                prompt_tokens = len(output.prompt_token_ids)
                 cached_tokens = output.num_cached_tokens or cached_tokens
                 for c in output.outputs:
-                    completion_tokens += len(c.token_ids)
+                    choice_tokens[c.index] += len(c.token_ids)
                     logprobs = self._logprobs(request, c)
                     text = texts[c.index]
                     delta = text.update(c.text) if c.finish_reason is None else text.finish(
                         c.text)
+                    shown_ids = c.token_ids if request.return_token_ids else None
                     if delta is None and c.finish_reason is None and not (
                         logprobs and logprobs.content
-                    ):
+                    ) and not shown_ids:
                         continue  # text held back (a character, a stop check or markup)
                     yield chunk(
                         ChatChunkChoice(
@@ -195,16 +208,17 @@ class OpenAIServingChat:
                             logprobs=logprobs,
                             finish_reason=_finish_reason(c.finish_reason, text.num_calls),
                             stop_reason=c.stop_reason,
+                            token_ids=shown_ids,
                         )
                     )
             if request.include_usage:
                 yield sse(
                     ChatCompletionChunk(
-                        id=request_id,
+                        id=processed.request_id,
                         created=created,
                         model=model,
                         choices=[],
-                        usage=UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens),
+                        usage=UsageInfo.of(prompt_tokens, sum(choice_tokens), cached_tokens),
                     )
                 )
         except Exception as exc:
@@ -212,6 +226,11 @@ class OpenAIServingChat:
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _prompt_ids(request: ChatCompletionRequest, processed: ProcessedRequest) -> list[int] | None:
+    """The rendered conversation's ids, with ``return_token_ids``."""
+    return list(processed.prompt_token_ids) if request.return_token_ids else None
 
 
 def _finish_reason(engine_reason: str | None, num_calls: int) -> str | None:

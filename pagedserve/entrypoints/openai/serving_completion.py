@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.engine.async_llm import AsyncLLM, RequestStream
 from pagedserve.engine.input_processor import ProcessedRequest
-from pagedserve.entrypoints.openai.logprobs import append_completion_logprobs
+from pagedserve.entrypoints.openai.logprobs import append_completion_logprobs, prompt_logprobs
 from pagedserve.entrypoints.openai.protocol import CompletionRequest
 from pagedserve.entrypoints.openai.request_limits import RequestLimits
 from pagedserve.entrypoints.openai.responses import (
@@ -62,7 +62,8 @@ class OpenAIServingCompletion:
             params = request.to_sampling_params(self.default_sampling)
             processed = [
                 await self.engine.process_inputs_async(
-                    prompt, params, f"{request_id}-{i}", request.priority
+                    await self._engine_prompt(request, prompt), params, f"{request_id}-{i}",
+                    request.priority,
                 )
                 for i, prompt in enumerate(request.prompts())
             ]
@@ -80,34 +81,46 @@ class OpenAIServingCompletion:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    async def _engine_prompt(
+        self, request: CompletionRequest, prompt: str | list[int]
+    ) -> str | list[int] | dict:
+        """A text prompt without the tokenizer's special tokens, when the request says so."""
+        if request.add_special_tokens or not isinstance(prompt, str):
+            return prompt
+        ids = await self.engine.encode_async("prompt", prompt, add_special_tokens=False)
+        return {"prompt": prompt, "prompt_token_ids": ids}
+
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
         return self.engine.tokenizer.decode(output.prompt_token_ids)
 
     def _echo_logprobs(
-        self, output: RequestOutput, prompt_text: str, logprobs: CompletionLogprobs
+        self, output: RequestOutput, prompt_text: str, logprobs: CompletionLogprobs, top_n: int
     ) -> int:
         """Prompt tokens' entries (echo with logprobs); returns the offset after the prompt."""
         positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
         append_completion_logprobs(
-            logprobs, output.prompt_token_ids, positions, self.engine.tokenizer, 0
+            logprobs, output.prompt_token_ids, positions, self.engine.tokenizer, 0, top_n
         )
         return len(prompt_text)
 
     def _choice(
         self,
+        request: CompletionRequest,
         index: int,
         completion: CompletionOutput,
         text: str,
         logprobs: CompletionLogprobs | None,
     ) -> CompletionChoice:
+        """The choice's text and logprobs as given; its token ids (``return_token_ids``)."""
         return CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            token_ids=_shown_ids(request, completion) if request.return_token_ids else None,
         )
 
     # -- non-streaming -------------------------------------------------------------------------
@@ -133,7 +146,7 @@ class OpenAIServingCompletion:
             prompt_tokens += len(final.prompt_token_ids)
             cached_tokens += final.num_cached_tokens or 0
             for completion in final.outputs:
-                completion_tokens += len(completion.token_ids)
+                completion_tokens += len(_shown_ids(request, completion))
                 choices.append(
                     self._full_choice(request, i * request.n + completion.index, final, completion)
                 )
@@ -153,18 +166,46 @@ class OpenAIServingCompletion:
         completion: CompletionOutput,
     ) -> CompletionChoice:
         prompt_text = self._prompt_text(final) if request.echo else ""
+        text = prompt_text if request.echo_only else prompt_text + completion.text
         logprobs = None
         if request.logprobs is not None:
             logprobs = CompletionLogprobs()
-            offset = self._echo_logprobs(final, prompt_text, logprobs) if request.echo else 0
-            append_completion_logprobs(
-                logprobs,
-                completion.token_ids,
-                completion.logprobs or [],
+            offset = 0
+            if request.echo:
+                offset = self._echo_logprobs(final, prompt_text, logprobs, request.logprobs)
+            self._append_logprobs(request, logprobs, completion, offset)
+        choice = self._choice(request, index, completion, text, logprobs)
+        self._add_prompt_fields(request, choice, final)
+        return choice
+
+    def _append_logprobs(
+        self, request: CompletionRequest, logprobs: CompletionLogprobs,
+        completion: CompletionOutput, offset: int,
+    ) -> None:
+        if request.echo_only:
+            return
+        assert request.logprobs is not None
+        append_completion_logprobs(
+            logprobs,
+            completion.token_ids,
+            completion.logprobs or [],
+            self.engine.tokenizer,
+            offset,
+            request.logprobs,
+        )
+
+    def _add_prompt_fields(
+        self, request: CompletionRequest, choice: CompletionChoice, output: RequestOutput
+    ) -> None:
+        """``prompt_logprobs`` and (``return_token_ids``) the prompt's ids, on a choice's full
+        response or first chunk."""
+        if request.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs(
+                output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs,
                 self.engine.tokenizer,
-                offset,
             )
-        return self._choice(index, completion, prompt_text + completion.text, logprobs)
+        if request.return_token_ids:
+            choice.prompt_token_ids = list(output.prompt_token_ids)
 
     # -- streaming -----------------------------------------------------------------------------
 
@@ -183,10 +224,10 @@ class OpenAIServingCompletion:
                         request, i * request.n + completion.index, output, completion, state
                     )
                     if choice is not None:
+                        usage = state.usage(i, choice.index) if request.continuous_usage else None
                         yield sse(
-                            CompletionResponse(
-                                id=request_id, created=created, model=model, choices=[choice]
-                            )
+                            CompletionResponse(id=request_id, created=created, model=model,
+                                               choices=[choice], usage=usage)
                         )
             if request.include_usage:
                 usage = UsageInfo.of(
@@ -213,37 +254,51 @@ class OpenAIServingCompletion:
         completion: CompletionOutput,
         state: _StreamState,
     ) -> CompletionChoice | None:
-        state.completion_tokens[index] = state.completion_tokens.get(index, 0) + len(
-            completion.token_ids
-        )
-        text = completion.text
+        shown_ids = _shown_ids(request, completion)
+        state.completion_tokens[index] = state.completion_tokens.get(index, 0) + len(shown_ids)
+        shown_text = "" if request.echo_only else completion.text
+        text = shown_text
         logprobs = CompletionLogprobs() if request.logprobs is not None else None
         offset = state.text_offsets.get(index, 0)
         if request.echo and index not in state.text_offsets:
             prompt_text = self._prompt_text(output)
             if logprobs is not None:
-                self._echo_logprobs(output, prompt_text, logprobs)
+                assert request.logprobs is not None
+                self._echo_logprobs(output, prompt_text, logprobs, request.logprobs)
             text = prompt_text + text
             offset = len(prompt_text)
         if logprobs is not None:
-            append_completion_logprobs(
-                logprobs,
-                completion.token_ids,
-                completion.logprobs or [],
-                self.engine.tokenizer,
-                offset,
-            )
-        state.text_offsets[index] = offset + len(completion.text)
-        if not text and completion.finish_reason is None and not (logprobs and logprobs.tokens):
+            self._append_logprobs(request, logprobs, completion, offset)
+        state.text_offsets[index] = offset + len(shown_text)
+        news = bool(text) or completion.finish_reason is not None or bool(
+            logprobs and logprobs.tokens) or (request.return_token_ids and bool(shown_ids))
+        if not news:
             return None  # nothing to show yet (text held back until a character completes)
-        return self._choice(index, completion, text, logprobs)
+        choice = self._choice(request, index, completion, text, logprobs)
+        if index not in state.prompt_sent:
+            self._add_prompt_fields(request, choice, output)
+            state.prompt_sent.add(index)
+        return choice
+
+
+def _shown_ids(request: CompletionRequest, completion: CompletionOutput) -> list[int]:
+    """The completion's token ids the response shows: none for echo with ``max_tokens: 0``."""
+    return [] if request.echo_only else completion.token_ids
 
 
 class _StreamState:
-    """Per streaming request: counts for usage, and each choice's text length so far."""
+    """Per streaming request: counts for usage (by prompt and by choice index), and each
+    choice's text length so far."""
 
     def __init__(self) -> None:
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
         self.text_offsets: dict[int, int] = {}
+        self.prompt_sent: set[int] = set()
+        """Choices whose first chunk went out (it carries the prompt's fields)."""
+
+    def usage(self, prompt: int, choice: int) -> UsageInfo:
+        """Prompt ``prompt``'s counts with choice ``choice``'s completion tokens so far."""
+        return UsageInfo.of(self.prompt_tokens[prompt], self.completion_tokens.get(choice, 0),
+                            self.cached_tokens.get(prompt, 0))

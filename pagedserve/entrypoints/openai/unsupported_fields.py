@@ -47,12 +47,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "use_beam_search": _BEAM,
     "length_penalty": _BEAM,
     "early_stopping": _BEAM,
-    "truncate_prompt_tokens": "",
-    "prompt_logprobs": "",
-    "allowed_token_ids": "",
     "bad_words": "",
     "spaces_between_special_tokens": "",
-    "add_special_tokens": "",
+    "add_special_tokens": "a completions field; a chat template writes its own special tokens",
     "continue_final_message": _CHAT_ONLY,  # implemented on chat completions
     "chat_template": _TEMPLATE,
     "chat_template_kwargs": _CHAT_ONLY,  # implemented on chat completions
@@ -65,7 +62,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "structural_tag": "",
     "logits_processors": "",
     "return_tokens_as_token_ids": "",
-    "return_token_ids": "",
     "include_reasoning": "",
     "cache_salt": "",
     "kv_transfer_params": "",

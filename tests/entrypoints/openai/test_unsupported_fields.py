@@ -87,13 +87,14 @@ SERVER_CHECKED = {
     ChatCompletionRequest: {"model", "messages", "stream", "stream_options", "user", "timeout",
                             "priority", "echo", "add_generation_prompt",
                             "continue_final_message", "chat_template_kwargs", "tools",
-                            "tool_choice", "parallel_tool_calls"},
+                            "tool_choice", "parallel_tool_calls", "return_token_ids"},
     CompletionRequest: {"model", "prompt", "stream", "stream_options", "user", "timeout",
-                        "priority", "echo"},
+                        "priority", "echo", "return_token_ids", "add_special_tokens"},
 }
 """Declared fields that SamplingParams does not carry: each is exercised through the server
 below or, for the chat template's options, in test_chat.py, for the tool fields, in
-test_tool_calls.py (``user``, OpenAI's end-user id for
+test_tool_calls.py, for return_token_ids and add_special_tokens, in
+test_vllm_response_extras.py (``user``, OpenAI's end-user id for
 its abuse monitoring, is accepted with no effect)."""
 
 WALKS = [
