@@ -56,8 +56,10 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     hashes = request.block_hashes
     num_full_blocks = request.num_tokens // block_size
     parent = hashes[-1] if hashes else None
+    salt = () if request.cache_salt is None else ("cache_salt", request.cache_salt)
     for i in range(len(hashes), num_full_blocks):
         block_tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, block_tokens)
+        # The chain carries the first block's salt into every later hash.
+        parent = hash_block_tokens(parent, block_tokens, salt if i == 0 else ())
         hashes.append(parent)
     return hashes

@@ -70,6 +70,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -80,6 +81,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         """Lower value = served first under the ``priority`` policy (vLLM's convention)."""
+        self.cache_salt = cache_salt
+        """Mixed into the first block's hash: prefix-cache hits only between equal salts."""
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

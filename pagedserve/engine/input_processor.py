@@ -1,7 +1,8 @@
 """User input -> engine requests: validate sampling parameters, tokenize, apply the chat template.
 
 A prompt is a string, a list of token ids, or a dict like vLLM's ``TokensPrompt`` /
-``TextPrompt`` (``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``, optionally both).
+``TextPrompt`` (``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``, optionally both, and
+optionally a ``cache_salt``).
 A request with ``n > 1`` becomes ``n`` child ``Request`` objects (ids ``f"{i}_{parent_id}"``)
 that the scheduler runs independently; their identical prompts share KV blocks through the
 prefix cache. The output processor folds them back into one ``RequestOutput``.
@@ -65,6 +66,15 @@ def check_unicode(field: str, text: str) -> None:
             f"{field}: not valid Unicode: a lone surrogate ({text[e.start]!r}) at character "
             f"{e.start}"
         ) from None
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A dict prompt's ``cache_salt`` (vLLM's): its prefix-cache hits come only from prompts
+    with the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt: expected a non-empty string, got {salt!r}")
+    return salt
 
 
 def _require_sampling_params(params: object) -> None:
@@ -331,6 +341,7 @@ class InputProcessor:
         """
         _require_sampling_params(params)
         text, prompt_token_ids = self._truncate(params, *self.tokenize(prompt))
+        cache_salt = _cache_salt(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt: the prompt is empty (it has no tokens)")
         self._check_token_ids("prompt_token_ids", prompt_token_ids)
@@ -347,6 +358,7 @@ class InputProcessor:
                 max_tokens,
                 arrival_time=arrival_time,
                 priority=priority,
+                cache_salt=cache_salt,
             )
             for i in range(resolved.n)
         ]

@@ -24,11 +24,13 @@ def make_request(
     max_tokens: int = 16,
     priority: int = 0,
     arrival_time: float | None = None,
+    cache_salt: str | None = None,
     **sampling: Any,
 ) -> Request:
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     arrival = float(int(rid)) if arrival_time is None and rid.isdigit() else arrival_time
-    return Request(rid, prompt, params, EOS, max_tokens, arrival_time=arrival, priority=priority)
+    return Request(rid, prompt, params, EOS, max_tokens, arrival_time=arrival, priority=priority,
+                   cache_salt=cache_salt)
 
 
 def make_scheduler(

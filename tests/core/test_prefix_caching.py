@@ -174,6 +174,18 @@ def test_a_request_with_prompt_logprobs_reads_no_hits_but_fills_the_cache():
     check_kv_invariants(kv)
 
 
+def test_cache_salt_separates_equal_prompts():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=64)
+    admit(kv, make_request("0", COMMON + [3], cache_salt="a"))
+    # Another salt, or none: the same tokens hash differently from the first block on.
+    for rid, salt, first_new in (("1", "b", 5), ("2", None, 9)):
+        hits, n, new = admit(kv, make_request(rid, COMMON + [3], cache_salt=salt))
+        assert (hits, n) == ([], 0) and block_ids(new)[0] == first_new
+    hits, n, _ = admit(kv, make_request("3", COMMON + [3], cache_salt="a"))
+    assert block_ids(hits) == [1, 2, 3] and n == 12
+    check_kv_invariants(kv)
+
+
 def test_caching_disabled():
     kv = KVCacheManager(num_blocks=11, block_size=BS, max_model_len=64, enable_caching=False)
     req0, req1 = make_request("0", COMMON + [1]), make_request("1", COMMON + [1])

@@ -42,6 +42,16 @@ def test_max_tokens_none_fills_the_context(processor):
     assert processed.requests[0].max_tokens == MAX_MODEL_LEN - 3
 
 
+def test_a_dict_prompt_carries_its_cache_salt(processor):
+    params = SamplingParams(n=2)
+    salted = processor.process_inputs("r", {"prompt_token_ids": [3, 4], "cache_salt": "t1"},
+                                      params)
+    assert [r.cache_salt for r in salted.requests] == ["t1", "t1"]
+    assert processor.process_inputs("r", [3, 4], params).requests[0].cache_salt is None
+    with pytest.raises(ValueError, match="^cache_salt: expected a non-empty string"):
+        processor.process_inputs("r", {"prompt": "hi", "cache_salt": ""}, params)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(processor, tokenizer):
     text = "Hello world, this is a tiny tokenizer"
     ids = tokenizer.encode(text)

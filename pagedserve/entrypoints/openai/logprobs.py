@@ -3,7 +3,7 @@ in the two OpenAI formats: the legacy completions lists and chat's ``content`` e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedserve.entrypoints.openai.responses import (
@@ -25,10 +25,25 @@ def _value(lp: Logprob) -> float:
     return max(lp.logprob, MIN_LOGPROB)
 
 
-def _token_text(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return tokenizer.decode([token_id])
+TokenText = Callable[[int, Logprob | None], str]
+"""How a logprob entry names its token: ``decoded_text(tokenizer)`` or ``id_text``."""
+
+
+def decoded_text(tokenizer: Any) -> TokenText:
+    """The token's text (the engine's, else the tokenizer's)."""
+
+    def text(token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return tokenizer.decode([token_id])
+
+    return text
+
+
+def id_text(token_id: int, lp: Logprob | None) -> str:
+    """vLLM's ``return_tokens_as_token_ids``: ``"token_id:N"``, which names a token that is
+    not a whole character (one byte of a multi-byte one) unambiguously."""
+    return f"token_id:{token_id}"
 
 
 def _kept(token_id: int, position: dict[int, Logprob], top_n: int) -> dict[int, Logprob]:
@@ -42,7 +57,7 @@ def append_completion_logprobs(
     out: CompletionLogprobs,
     token_ids: list[int],
     positions: Sequence[Position],
-    tokenizer: Any,
+    token_text: TokenText,
     text_offset: int,
     top_n: int,
 ) -> int:
@@ -53,7 +68,7 @@ def append_completion_logprobs(
     """
     for token_id, position in zip(token_ids, positions, strict=True):
         sampled = None if position is None else position.get(token_id)
-        token = _token_text(token_id, sampled, tokenizer)
+        token = token_text(token_id, sampled)
         out.tokens.append(token)
         out.text_offset.append(text_offset)
         text_offset += len(token)
@@ -62,7 +77,7 @@ def append_completion_logprobs(
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(_value(sampled))
-        out.top_logprobs.append({_token_text(tid, lp, tokenizer): _value(lp)
+        out.top_logprobs.append({token_text(tid, lp): _value(lp)
                                  for tid, lp in _kept(token_id, position, top_n).items()})
     return text_offset
 
@@ -73,23 +88,24 @@ def prompt_logprobs(
     """vLLM's ``prompt_logprobs``: per prompt token, the token and the ``top_n`` most likely
     ones at its position, with their ranks and text."""
     positions = positions or [None] * len(token_ids)
+    text = decoded_text(tokenizer)
     return [
         None if position is None else {
             tid: PromptLogprob(logprob=_value(lp), rank=lp.rank,
-                               decoded_token=_token_text(tid, lp, tokenizer))
+                               decoded_token=text(tid, lp))
             for tid, lp in _kept(token_id, position, top_n).items()
         }
         for token_id, position in zip(token_ids, positions, strict=True)
     ]
 
 
-def _top_logprob(token_id: int, lp: Logprob, tokenizer: Any) -> TopLogprob:
-    token = _token_text(token_id, lp, tokenizer)
+def _top_logprob(token_id: int, lp: Logprob, token_text: TokenText) -> TopLogprob:
+    token = token_text(token_id, lp)
     return TopLogprob(token=token, logprob=_value(lp), bytes=list(token.encode("utf-8")))
 
 
 def chat_logprobs(
-    token_ids: list[int], positions: Sequence[Position], top_n: int, tokenizer: Any
+    token_ids: list[int], positions: Sequence[Position], top_n: int, token_text: TokenText
 ) -> list[TokenLogprob]:
     """One chat ``content`` entry per sampled token, with the ``top_n`` most likely tokens.
 
@@ -100,13 +116,13 @@ def chat_logprobs(
     for token_id, position in zip(token_ids, positions, strict=True):
         if position is None or token_id not in position:
             continue
-        sampled = _top_logprob(token_id, position[token_id], tokenizer)
+        sampled = _top_logprob(token_id, position[token_id], token_text)
         ranked = [
             (lp.rank, tid, lp)
             for tid, lp in position.items()
             if lp.rank is not None and lp.rank <= top_n
         ]
         ranked.sort(key=lambda item: item[0])
-        tops = [_top_logprob(tid, lp, tokenizer) for _, tid, lp in ranked]
+        tops = [_top_logprob(tid, lp, token_text) for _, tid, lp in ranked]
         entries.append(TokenLogprob(**sampled.model_dump(), top_logprobs=tops))
     return entries

@@ -29,7 +29,7 @@ MAX_STOP = 64
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
     "skip_special_tokens", "logprobs", "add_generation_prompt", "return_token_ids",
-    "add_special_tokens",
+    "add_special_tokens", "return_tokens_as_token_ids", "include_reasoning",
 })
 """Fields whose explicit null means their default (``_or_null`` says so in the schema)."""
 
@@ -113,6 +113,12 @@ class SamplingFields(StructuredOutputFields):
         False, description="Add the prompt's token ids (prompt_token_ids) and each choice's "
         "(token_ids); a stream sends the prompt's in its first chunk, each chunk's new ids.",
         json_schema_extra=_or_null)
+    return_tokens_as_token_ids: bool = Field(
+        False, description='Name the tokens of logprobs "token_id:N" instead of their text.',
+        json_schema_extra=_or_null)
+    cache_salt: str | None = Field(
+        None, min_length=1, description="Prefix-cache hits only between requests with the same "
+        "salt (tenants that must not probe each other's prompts through timing).")
     # pagedserve's extra.
     timeout: float | None = Field(
         None,
@@ -360,6 +366,9 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         "turn; the generation prompt is then not added.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra chat template variables (Qwen3's enable_thinking).")
+    include_reasoning: bool = Field(
+        True, description="false: leave the --reasoning-parser's reasoning_content out.",
+        json_schema_extra=_or_null)
 
     def chat_dicts(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them."""

@@ -43,9 +43,11 @@ from pagedserve.entrypoints.openai.serving_common import (
     close_all,
     engine_errors,
     last_output,
+    logprob_token_text,
     sse,
     stream_error,
     submit_all,
+    with_cache_salt,
 )
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutputKind
@@ -76,9 +78,9 @@ class OpenAIServingChat:
             request.check_tool_choice()
             parser = self.output_parsing.choice_parser(request)
             params = request.to_sampling_params(self.default_sampling)
-            prompt = await self.engine.render_chat_async(
+            prompt = with_cache_salt(request, await self.engine.render_chat_async(
                 request.chat_dicts(), request.chat_options()
-            )
+            ))
             processed = await self.engine.process_inputs_async(
                 prompt, params, request_id, request.priority
             )
@@ -110,7 +112,7 @@ class OpenAIServingChat:
             completion.token_ids,
             completion.logprobs or [],
             request.top_logprobs or 0,
-            self.engine.tokenizer,
+            logprob_token_text(request, self.engine.tokenizer),
         )
         return ChatLogprobs(content=content)
 
@@ -136,8 +138,9 @@ class OpenAIServingChat:
             content = echo + parsed.content if parsed.content is not None else echo or None
             choices.append(ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=content, reasoning_content=parsed.reasoning,
-                                            tool_calls=calls),
+                message=ChatResponseMessage(
+                    content=content, tool_calls=calls,
+                    reasoning_content=parsed.reasoning if request.include_reasoning else None),
                 logprobs=self._logprobs(request, c),
                 finish_reason=_finish_reason(c.finish_reason, len(calls)),
                 stop_reason=c.stop_reason,
@@ -196,6 +199,8 @@ class OpenAIServingChat:
                     text = texts[c.index]
                     delta = text.update(c.text) if c.finish_reason is None else text.finish(
                         c.text)
+                    if delta is not None and not request.include_reasoning:
+                        delta = _without_reasoning(delta)
                     shown_ids = c.token_ids if request.return_token_ids else None
                     if delta is None and c.finish_reason is None and not (
                         logprobs and logprobs.content
@@ -226,6 +231,13 @@ class OpenAIServingChat:
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _without_reasoning(delta: DeltaMessage) -> DeltaMessage | None:
+    """``include_reasoning: false``: the delta less its reasoning; None if nothing is left."""
+    if delta.content is None and delta.tool_calls is None:
+        return None
+    return delta.model_copy(update={"reasoning_content": None})
 
 
 def _prompt_ids(request: ChatCompletionRequest, processed: ProcessedRequest) -> list[int] | None:

@@ -10,6 +10,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -26,6 +27,8 @@ from pagedserve.engine.async_llm import (
 from pagedserve.engine.core_proc import EngineDeadError
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.entrypoints.openai.errors import OpenAIError, bad_request, param_from_message
+from pagedserve.entrypoints.openai.logprobs import TokenText, decoded_text, id_text
+from pagedserve.entrypoints.openai.protocol import SamplingFields
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -95,6 +98,21 @@ def to_openai_error(
         field = None if param is None else names.get(param, param)
         return bad_request(message, param=field, code=code)
     return None
+
+
+def logprob_token_text(request: SamplingFields, tokenizer: Any) -> TokenText:
+    """How the request's logprobs name tokens (``return_tokens_as_token_ids``)."""
+    return id_text if request.return_tokens_as_token_ids else decoded_text(tokenizer)
+
+
+def with_cache_salt(request: SamplingFields, prompt: Any) -> Any:
+    """The engine prompt with the request's ``cache_salt`` (a dict prompt, as vLLM's)."""
+    if request.cache_salt is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": request.cache_salt}
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": request.cache_salt}
 
 
 @contextlib.contextmanager

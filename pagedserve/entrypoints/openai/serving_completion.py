@@ -34,10 +34,12 @@ from pagedserve.entrypoints.openai.serving_common import (
     close_all,
     engine_errors,
     last_output,
+    logprob_token_text,
     merge_streams,
     sse,
     stream_error,
     submit_all,
+    with_cache_salt,
 )
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -62,8 +64,8 @@ class OpenAIServingCompletion:
             params = request.to_sampling_params(self.default_sampling)
             processed = [
                 await self.engine.process_inputs_async(
-                    await self._engine_prompt(request, prompt), params, f"{request_id}-{i}",
-                    request.priority,
+                    with_cache_salt(request, await self._engine_prompt(request, prompt)), params,
+                    f"{request_id}-{i}", request.priority,
                 )
                 for i, prompt in enumerate(request.prompts())
             ]
@@ -96,12 +98,15 @@ class OpenAIServingCompletion:
         return self.engine.tokenizer.decode(output.prompt_token_ids)
 
     def _echo_logprobs(
-        self, output: RequestOutput, prompt_text: str, logprobs: CompletionLogprobs, top_n: int
+        self, request: CompletionRequest, output: RequestOutput, prompt_text: str,
+        logprobs: CompletionLogprobs,
     ) -> int:
         """Prompt tokens' entries (echo with logprobs); returns the offset after the prompt."""
+        assert request.logprobs is not None
         positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
         append_completion_logprobs(
-            logprobs, output.prompt_token_ids, positions, self.engine.tokenizer, 0, top_n
+            logprobs, output.prompt_token_ids, positions,
+            logprob_token_text(request, self.engine.tokenizer), 0, request.logprobs,
         )
         return len(prompt_text)
 
@@ -172,7 +177,7 @@ class OpenAIServingCompletion:
             logprobs = CompletionLogprobs()
             offset = 0
             if request.echo:
-                offset = self._echo_logprobs(final, prompt_text, logprobs, request.logprobs)
+                offset = self._echo_logprobs(request, final, prompt_text, logprobs)
             self._append_logprobs(request, logprobs, completion, offset)
         choice = self._choice(request, index, completion, text, logprobs)
         self._add_prompt_fields(request, choice, final)
@@ -189,7 +194,7 @@ class OpenAIServingCompletion:
             logprobs,
             completion.token_ids,
             completion.logprobs or [],
-            self.engine.tokenizer,
+            logprob_token_text(request, self.engine.tokenizer),
             offset,
             request.logprobs,
         )
@@ -263,8 +268,7 @@ class OpenAIServingCompletion:
         if request.echo and index not in state.text_offsets:
             prompt_text = self._prompt_text(output)
             if logprobs is not None:
-                assert request.logprobs is not None
-                self._echo_logprobs(output, prompt_text, logprobs, request.logprobs)
+                self._echo_logprobs(request, output, prompt_text, logprobs)
             text = prompt_text + text
             offset = len(prompt_text)
         if logprobs is not None:

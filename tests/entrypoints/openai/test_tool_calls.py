@@ -134,6 +134,19 @@ def test_auto_reads_a_call_after_thinking(tool_client: openai.OpenAI) -> None:
     assert streamed == (calls, "", "Paris is in France.", "tool_calls")
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(tool_client: openai.OpenAI) -> None:
+    kwargs: Any = {"model": "", "messages": MESSAGES, "tools": TOOLS, "temperature": 0.0,
+                   "max_tokens": 200,
+                   "extra_body": {"guided_regex": THINK_THEN_CALL, "include_reasoning": False}}
+    whole = tool_client.chat.completions.create(**kwargs).choices[0]
+    assert getattr(whole.message, "reasoning_content", None) is None
+    assert [name for name, _ in _check_calls(whole.message.tool_calls)] == ["get_weather"]
+    calls, content, reasoning, finish = _streamed(
+        tool_client.chat.completions.create(**kwargs, stream=True))
+    assert (reasoning, content, finish) == ("", "", "tool_calls")
+    assert calls == _check_calls(whole.message.tool_calls)
+
+
 def test_a_conversation_with_a_tool_result_is_answered(tool_client: openai.OpenAI) -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -1,5 +1,6 @@
 """vLLM's extra request fields on both APIs: ``prompt_logprobs``, ``return_token_ids``,
-``truncate_prompt_tokens``, ``allowed_token_ids``, echo with ``max_tokens: 0``,
+``truncate_prompt_tokens``, ``allowed_token_ids``, ``return_tokens_as_token_ids``,
+``cache_salt``, echo with ``max_tokens: 0``,
 ``stream_options.continuous_usage_stats`` and completions' ``add_special_tokens``, against a real
 server."""
 
@@ -181,6 +182,44 @@ def test_truncate_prompt_tokens_and_allowed_token_ids(
              "allowed_token_ids")
     _refused(_post(server, path, model=model_name, truncate_prompt_tokens=0, **body),
              "truncate_prompt_tokens")
+
+
+# ---- return_tokens_as_token_ids, cache_salt --------------------------------------------------
+
+
+def test_return_tokens_as_token_ids(server: ServerProcess, model_name: str) -> None:
+    completion = _ok(server, "/v1/completions", model=model_name, prompt=PROMPT, max_tokens=3,
+                     logprobs=2, echo=True, return_tokens_as_token_ids=True,
+                     return_token_ids=True, **GREEDY)["choices"][0]
+    ids = completion["prompt_token_ids"] + completion["token_ids"]
+    lists = completion["logprobs"]
+    assert lists["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in lists["top_logprobs"][1:] for k in top)
+    chat = _ok(server, "/v1/chat/completions", model=model_name, messages=MESSAGES,
+               max_tokens=3, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True,
+               return_token_ids=True, **GREEDY)["choices"][0]
+    entries = chat["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert entries[0]["bytes"] == list(entries[0]["token"].encode())
+    assert all(top["token"].startswith("token_id:") for e in entries for top in e["top_logprobs"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_cache_salt_keeps_prefix_hits_within_a_salt(
+    server: ServerProcess, model_name: str, path: str
+) -> None:
+    text = f"{path} salted: {LONG_PROMPT}"  # a prompt no other test sends
+    body = {"prompt": text} if path == "/v1/completions" else {"messages": [
+        {"role": "user", "content": text}]}
+
+    def cached(**fields: Any) -> int:
+        usage = _ok(server, path, model=model_name, max_tokens=1, **body, **fields)["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0
+    assert cached(cache_salt="tenant-a") > 0 and cached() > 0
+    _refused(_post(server, path, model=model_name, cache_salt="", **body), "cache_salt")
 
 
 # ---- echo with max_tokens 0 ------------------------------------------------------------------
