@@ -2,7 +2,9 @@
 
 Every failure the server reports goes through ``OpenAIError`` or one of the handlers installed by
 ``install_error_handlers``, so a client always gets the same JSON shape, whatever went wrong:
-a pydantic validation error, a ``ValueError`` from the engine's input checks, an unknown route.
+a pydantic validation error, a ``ValueError`` from the engine's input checks (raised inside
+``serving_common.engine_errors``, which makes it a 400), an unknown route. Any other exception,
+a ``ValueError`` included, is a bug of the server: a 500, logged.
 """
 
 from __future__ import annotations
@@ -184,11 +186,6 @@ def install_error_handlers(app: FastAPI) -> None:
             headers=getattr(exc, "headers", None),
         )
         return err.response()
-
-    @app.exception_handler(ValueError)
-    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        message = str(exc)
-        return bad_request(message, param=param_from_message(message)).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -218,3 +218,30 @@ def test_openapi_schema_states_what_is_accepted(server: ServerProcess) -> None:
     # The API key is documented where it is required, and only there.
     assert "security" in schema["paths"]["/v1/completions"]["post"]
     assert "security" not in schema["paths"]["/health"]["get"]
+
+
+def test_a_value_error_outside_the_input_checks_is_a_500_not_a_400() -> None:
+    """Only input checks (inside ``engine_errors``) are the client's fault; a ValueError from
+    anywhere else is a bug of the server and must not read as a bad field."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedserve.entrypoints.openai.errors import install_error_handlers
+    from pagedserve.entrypoints.openai.serving_common import engine_errors
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/input")
+    def _input() -> None:
+        with engine_errors():
+            raise ValueError("top_p must be in (0, 1], got 2")
+
+    @app.get("/bug")
+    def _bug() -> None:
+        list(zip([1, 2], [1], strict=True))
+
+    client = TestClient(app, raise_server_exceptions=False)
+    assert _error(client.get("/input"), 400)["param"] == "top_p"
+    bug = _error(client.get("/bug"), 500)
+    assert bug["code"] == "internal_error" and bug["param"] is None
