@@ -17,6 +17,15 @@ _MAX_STOP_STRINGS = 64
 MAX_ALLOWED_TOKEN_IDS = 2048
 """Per request: each slot's row of the sampler's allowed-id table is as wide as the longest
 list in use, so the cap bounds that table's memory (a few MiB at hundreds of slots)."""
+MAX_BAD_WORDS = 64
+"""Per request, words in ``bad_words``; each becomes one or two token sequences."""
+MAX_BAD_WORDS_TOKEN_IDS = 128
+"""Per request, sequences given directly in ``bad_words_token_ids``. With the two variants of
+each of ``MAX_BAD_WORDS`` words, a slot's row of the sampler's bad-words table holds at most
+256 sequences."""
+MAX_BAD_WORD_TOKENS = 16
+"""Tokens in one bad-word sequence: the sampler's per-slot tables and its history of recent
+output tokens are as wide as the longest sequence in use, so the cap keeps them small."""
 
 
 def _token_biases(logit_bias: Any) -> dict[int, float]:
@@ -31,6 +40,42 @@ def _token_biases(logit_bias: Any) -> dict[int, float]:
             raise ValueError(f"logit_bias: {key!r} is not a token id") from None
         require(holds(bias, float), f"logit_bias: the bias for token {key!r} is not a number")
         out[token] = float(bias)
+    return out
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _bad_words(words: Any) -> list[str]:
+    """``bad_words`` as a list of words, each with a character other than whitespace (the
+    tokenization strips leading whitespace, as vLLM's does, and an empty word has no tokens)."""
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise ValueError(f"bad_words: expected a list of strings, got {_shown(words)}")
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
+    if not all(w.strip() for w in words):
+        raise ValueError("bad_words: every word must be a non-empty string with a character "
+                         "other than whitespace")
+    return list(words)
+
+
+def _bad_words_token_ids(sequences: Any) -> list[list[int]]:
+    """``bad_words_token_ids`` as lists of ints, each non-empty and at most
+    ``MAX_BAD_WORD_TOKENS`` long."""
+    field = "bad_words_token_ids"
+    if not isinstance(sequences, (list, tuple)):
+        raise ValueError(f"{field}: expected a list of token id lists, got {_shown(sequences)}")
+    if len(sequences) > MAX_BAD_WORDS_TOKEN_IDS:
+        raise ValueError(
+            f"{field}: at most {MAX_BAD_WORDS_TOKEN_IDS} sequences, got {len(sequences)}"
+        )
+    out = [token_id_list(field, ids) for ids in sequences]
+    for ids in out:
+        if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"{field}: each sequence must have 1 to {MAX_BAD_WORD_TOKENS} "
+                             f"token ids, got {len(ids)}")
     return out
 
 
@@ -54,6 +99,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Sample only among these token ids (at most 2048; every other logit is -inf before any
     sampling step, greedy included); None: every token. Logprobs stay the model's."""
+    bad_words: list[str] | None = None
+    """Words that are never generated (vLLM's): the last token of a word's tokens is blocked
+    whenever the output so far ends with the ones before it (at most 64 words). Each word is
+    tokenized as it is and after a space; the engine fills ``bad_words_token_ids`` from them."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """The token sequences the sampler blocks; filled by the engine from ``bad_words`` (or
+    given directly: each a non-empty list of at most 16 ids, at most 128 lists)."""
     max_tokens: int | None = 16
     """None: up to the context length."""
     min_tokens: int = 0
@@ -94,6 +146,10 @@ class SamplingParams:
             self.logit_bias = _token_biases(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = token_id_list("allowed_token_ids", self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = _bad_words(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = _bad_words_token_ids(self.bad_words_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -167,4 +223,8 @@ class SamplingParams:
         twin.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             twin.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            twin.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            twin.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         return twin

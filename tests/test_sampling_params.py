@@ -1,12 +1,18 @@
 """SamplingParams.clone: an equal copy that shares no mutable field with the original; values
-of the wrong type (or an empty allowed_token_ids) refused, naming the field."""
+of the wrong type (or an empty allowed_token_ids, or bad words past their caps) refused, naming
+the field."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_TOKEN_IDS,
+    SamplingParams,
+)
 
 
 def test_clone_is_equal_and_owns_its_containers() -> None:
@@ -24,9 +30,20 @@ def test_clone_is_equal_and_owns_its_containers() -> None:
     assert params.allowed_token_ids == [4, 2]
 
 
+def test_clone_owns_its_bad_words() -> None:
+    params = SamplingParams(bad_words=["foo"], bad_words_token_ids=[[1, 2], [3]])
+    twin = params.clone()
+    assert twin == params
+    twin.bad_words.append("bar")
+    twin.bad_words_token_ids[0].append(9)
+    twin.bad_words_token_ids.append([4])
+    assert params.bad_words == ["foo"] and params.bad_words_token_ids == [[1, 2], [3]]
+
+
 def test_clone_without_logit_bias() -> None:
     twin = SamplingParams().clone()
     assert twin.logit_bias is None and twin.allowed_token_ids is None
+    assert twin.bad_words is None and twin.bad_words_token_ids is None
     assert twin == SamplingParams()
 
 
@@ -45,6 +62,12 @@ def test_clone_without_logit_bias() -> None:
     ({"allowed_token_ids": [1.5]}, "allowed_token_ids: expected a list of token ids"),
     ({"allowed_token_ids": [True]}, "allowed_token_ids: expected a list of token ids"),
     ({"allowed_token_ids": ["3"]}, "allowed_token_ids: expected a list of token ids"),
+    ({"bad_words": "foo"}, "bad_words: expected a list of strings"),
+    ({"bad_words": ["a", 3]}, "bad_words: expected a list of strings"),
+    ({"bad_words_token_ids": [1, 2]}, "bad_words_token_ids: expected a list of token ids"),
+    ({"bad_words_token_ids": [[1.5]]}, "bad_words_token_ids: expected a list of token ids"),
+    ({"bad_words_token_ids": [[True]]}, "bad_words_token_ids: expected a list of token ids"),
+    ({"bad_words_token_ids": 5}, "bad_words_token_ids: expected a list of token id lists"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_its_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"^{message}"):
@@ -90,3 +113,29 @@ def test_temperature_out_of_range_refused(temperature: float) -> None:
 
 def test_temperature_at_the_cap_accepted() -> None:
     assert SamplingParams(temperature=100.0).temperature == 100.0
+
+
+def test_bad_words_and_their_token_ids_in_json_shapes_are_kept() -> None:
+    params = SamplingParams(bad_words=("foo", " bar"), bad_words_token_ids=((np.int64(3), 4),))
+    assert params.bad_words == ["foo", " bar"]
+    assert params.bad_words_token_ids == [[3, 4]] and type(params.bad_words_token_ids[0][0]) is int
+    assert SamplingParams(bad_words=[], bad_words_token_ids=[]).bad_words_token_ids == []
+
+
+@pytest.mark.parametrize("words", [[""], ["ok", " "], ["\n\t"]])
+def test_empty_bad_words_refused(words: list[str]) -> None:
+    with pytest.raises(ValueError, match="^bad_words: every word must be a non-empty string"):
+        SamplingParams(bad_words=words)
+
+
+def test_bad_words_above_the_caps_refused() -> None:
+    SamplingParams(bad_words=["w"] * MAX_BAD_WORDS,
+                   bad_words_token_ids=[[1] * MAX_BAD_WORD_TOKENS] * MAX_BAD_WORDS_TOKEN_IDS)
+    with pytest.raises(ValueError, match=f"^bad_words: at most {MAX_BAD_WORDS} words, got"):
+        SamplingParams(bad_words=["w"] * (MAX_BAD_WORDS + 1))
+    with pytest.raises(ValueError, match=f"^bad_words_token_ids: at most {MAX_BAD_WORDS_TOKEN_IDS}"):
+        SamplingParams(bad_words_token_ids=[[1]] * (MAX_BAD_WORDS_TOKEN_IDS + 1))
+    with pytest.raises(ValueError, match="^bad_words_token_ids: each sequence must have 1 to 16"):
+        SamplingParams(bad_words_token_ids=[[1] * (MAX_BAD_WORD_TOKENS + 1)])
+    with pytest.raises(ValueError, match="^bad_words_token_ids: each sequence must have 1 to 16"):
+        SamplingParams(bad_words_token_ids=[[2], []])

@@ -28,7 +28,7 @@ from pagedserve.engine.chat_messages import (
     text_messages,
 )
 from pagedserve.field_types import token_id_list
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -80,6 +80,21 @@ def _cache_salt(prompt: PromptType) -> str | None:
 def _require_sampling_params(params: object) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+
+
+def bad_word_token_ids(tokenizer: Any, word: str) -> list[list[int]]:
+    """The token sequences of one bad word, as vLLM's ``update_from_tokenizer`` makes them: the
+    word (leading whitespace stripped), then the word after a space, kept only when its first
+    token differs and its length does not (a word in the middle of a text, when the tokenizer
+    folds the space into the word's first token)."""
+    word = word.lstrip()
+    plain = list(tokenizer.encode(word, add_special_tokens=False))
+    spaced = list(tokenizer.encode(" " + word, add_special_tokens=False))
+    if not plain:
+        raise ValueError(f"bad_words: {word!r} has no tokens")
+    if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+        return [plain, spaced]
+    return [plain]
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -308,22 +323,44 @@ class InputProcessor:
         return params.max_tokens
 
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """Validate ``params`` against the model; return a copy with ``max_tokens`` filled and
-        the model's extra EOS ids in ``stop_token_ids`` (the caller's object is not changed)."""
+        """Validate ``params`` against the model; return a copy with ``max_tokens`` filled,
+        the model's extra EOS ids in ``stop_token_ids`` and the token sequences of
+        ``bad_words`` in ``bad_words_token_ids`` (the caller's object is not changed)."""
         _require_sampling_params(params)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
+        for ids in params.bad_words_token_ids or ():
+            self._check_token_ids("bad_words_token_ids", ids)
         if params.stop and not params.detokenize:
             raise ValueError("stop: stop strings need detokenize=True")
         if params.stop:
             self._require_tokenizer("stop")
         resolved = params.clone()
         resolved.max_tokens = self._resolve_max_tokens(params, num_prompt_tokens)
+        if params.bad_words:
+            resolved.bad_words_token_ids = self._bad_words_token_ids(params)
         if not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in resolved.stop_token_ids]
             resolved.stop_token_ids = resolved.stop_token_ids + extra
         return resolved
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``bad_words_token_ids`` with every word's sequences added (no duplicates)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words: needs a tokenizer, and the engine runs without one "
+                             "(give bad_words_token_ids instead)")
+        sequences = [list(ids) for ids in params.bad_words_token_ids or ()]
+        for word in params.bad_words or ():
+            self.check_text("bad_words", word)
+            for ids in bad_word_token_ids(self.tokenizer, word):
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"bad_words: {word!r} is {len(ids)} tokens, more than "
+                                     f"{MAX_BAD_WORD_TOKENS}")
+                self._check_token_ids("bad_words", ids)
+                if ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     # -- requests ------------------------------------------------------------------------------
 

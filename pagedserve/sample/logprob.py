@@ -2,7 +2,7 @@
 
 These are *raw* logprobs (vLLM's default ``logprobs_mode="raw_logprobs"``): log_softmax of the
 logits exactly as the model produced them, upcast to fp32, before logit_bias, min_tokens,
-allowed_token_ids, penalties, temperature or any truncation.
+allowed_token_ids, bad_words, penalties, temperature or any truncation.
 """
 
 from __future__ import annotations

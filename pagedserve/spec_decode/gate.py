@@ -3,8 +3,10 @@
 - Never in a step with more running requests than ``disable_by_batch_size`` (a large batch is
   bound by compute: verifying k drafts costs about k + 1 times a decode's work there), nor while
   a constrained request runs (its mask covers one row per step).
-- Never for a request whose sampling needs its own history row by row (penalties) or that asks
-  for prompt logprobs: those run one token per step.
+- Never for a request whose sampling needs its own history row by row (penalties, and
+  bad_words, whose prefixes are matched against the output tokens kept up to the last step,
+  not against the drafts a verifying row follows) or that asks for prompt logprobs: those run
+  one token per step.
 - Per request, the acceptance rate of its drafts is followed as a moving average
   (``ACCEPTANCE_WEIGHT`` to the last step). Below ``min_acceptance_rate`` the request pauses for
   ``PAUSE_STEPS`` steps, then tries again from just above the threshold, so a request whose
@@ -28,6 +30,8 @@ def drafts_allowed(params: SamplingParams) -> bool:
         and params.presence_penalty == 0.0
         and params.prompt_logprobs is None
         and params.structured_outputs is None
+        and not params.bad_words
+        and not params.bad_words_token_ids
     )
 
 

@@ -91,6 +91,22 @@ def test_no_drafts_above_the_batch_size_limit():
     assert sched.schedule().scheduled_spec_decode_tokens == {}
 
 
+def test_requests_with_penalties_or_bad_words_do_not_draft():
+    """Their sampling reads the output history row by row: penalties' counts, and bad words'
+    recent tokens, which hold the kept outputs only, not the drafts a verifying row follows."""
+    sched = _spec_scheduler(k=2)
+    kinds = [{}, {"repetition_penalty": 1.1}, {"bad_words_token_ids": [[9, 9]]},
+             {"bad_words": ["x"]}]
+    rids = [str(i) for i in range(len(kinds))]
+    for rid, sampling in zip(rids, kinds, strict=True):
+        sched.add_request(make_request(rid, PROMPT, max_tokens=20, ignore_eos=True, **sampling))
+    plan = sched.schedule()
+    sched.update_from_output(plan, ModelRunnerOutput(rids, [[1]] * len(rids)))
+    sched.proposer = FixedProposer([2, 3])
+    assert sched.schedule().scheduled_spec_decode_tokens == {"0": [2, 3]}
+    check_scheduler_invariants(sched)
+
+
 def test_a_request_that_keeps_rejecting_pauses():
     sched = _spec_scheduler(k=2)
     sched.draft_gate.min_rate = 0.5

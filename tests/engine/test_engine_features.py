@@ -244,3 +244,51 @@ def test_allowed_token_ids(llama):
     assert len(greedy) == 8 and set(greedy) <= set(allowed)
     assert not set(unrestricted) <= set(allowed)
     assert unrestricted == _tokens(llm, prompts[1], free)
+
+
+def _has_run(tokens: list[int], run: list[int]) -> bool:
+    return any(tokens[i : i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
+
+
+def test_bad_words_token_ids_block_a_sequence_the_greedy_output_had(llama):
+    """The greedy continuation's tokens 1-2 as a bad word: token 2 changes (token 1 stays, as
+    nothing blocks it alone) and the pair never occurs; a request without bad words in the same
+    batch gets the tokens it gets alone."""
+    llm, _, tokenizer = llama
+    prompts = _prompts(len(tokenizer), 2, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    before = _tokens(llm, prompts[0], greedy)
+    pair = before[1:3]
+    assert _has_run(before, pair)
+    blocked = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                             bad_words_token_ids=[pair])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [blocked, free],
+                           use_tqdm=False)
+    after, other = (o.outputs[0].token_ids for o in outputs)
+    assert after[:2] == before[:2] and after[2] != before[2] and len(after) == 16
+    assert not _has_run(after, pair)
+    assert other == _tokens(llm, prompts[1], free)
+
+
+def test_bad_words_text_blocks_a_token_of_the_greedy_output(llama):
+    """A word made of one generated token's text: the output is the same up to the first token
+    of the word's tokenizations, which never occurs again."""
+    llm, _, tokenizer = llama
+    prompt = _prompts(len(tokenizer), 2, seed=11)[1]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    before = _tokens(llm, prompt, greedy)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # A token whose text, alone, is that token again (a byte of a character is not).
+    token = next(t for t in before if encode(tokenizer.decode([t]).lstrip()) == [t])
+    word = tokenizer.decode([token])
+    banned = {token} | ({encode(" " + word.lstrip())[0]}
+                        if len(encode(" " + word.lstrip())) == 1 else set())
+    after = _tokens(llm, prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                bad_words=[word]))
+    first = next(i for i, t in enumerate(before) if t in banned)
+    assert after[:first] == before[:first] and after[first] != before[first]
+    assert not banned & set(after)

@@ -272,3 +272,54 @@ def test_chat_template_from_a_file_or_inline(tmp_path, tokenizer):
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="^chat_template: not a valid Jinja template"):
         load_chat_template("{% for m in messages %}")
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_bad_words_become_both_tokenizations(processor, tokenizer):
+    """Each word as it is and after a space; the spaced one is kept only when its first token
+    differs and its length does not (vLLM's rule)."""
+    # "is" and "world": the space joins the first token, same length: both kept.
+    both = [w for w in ("is", "world")
+            if _encode(tokenizer, " " + w)[0] != _encode(tokenizer, w)[0]
+            and len(_encode(tokenizer, " " + w)) == len(_encode(tokenizer, w))]
+    # "fox" and "Paris": after a space, another number of tokens: the word alone.
+    plain_only = [w for w in ("fox", "Paris")
+                  if len(_encode(tokenizer, " " + w)) != len(_encode(tokenizer, w))]
+    assert both == ["is", "world"] and plain_only == ["fox", "Paris"]
+    params = SamplingParams(bad_words=["  is", "world", "fox", "Paris"])
+    resolved = processor.process_inputs("r", "Hi", params).requests[0].sampling_params
+    assert resolved.bad_words_token_ids == [
+        _encode(tokenizer, "is"), _encode(tokenizer, " is"),
+        _encode(tokenizer, "world"), _encode(tokenizer, " world"),
+        _encode(tokenizer, "fox"), _encode(tokenizer, "Paris"),
+    ]
+    assert params.bad_words_token_ids is None  # the caller's object is not changed
+
+
+def test_bad_words_merge_with_given_token_ids_without_duplicates(processor, tokenizer):
+    given = [[7, 8], _encode(tokenizer, "is")]
+    params = SamplingParams(bad_words=["is", "is"], bad_words_token_ids=given)
+    resolved = processor.process_inputs("r", "Hi", params).sampling_params
+    assert resolved.bad_words_token_ids == [[7, 8], _encode(tokenizer, "is"),
+                                            _encode(tokenizer, " is")]
+    alone = processor.process_inputs("r", "Hi", SamplingParams(bad_words_token_ids=[[7]]))
+    assert alone.sampling_params.bad_words_token_ids == [[7]]
+
+
+def test_bad_words_refused_without_a_tokenizer_and_past_the_caps(processor, tokenizer):
+    no_tokenizer = InputProcessor(None, MAX_MODEL_LEN, len(tokenizer), 0)
+    with pytest.raises(ValueError, match="^bad_words: needs a tokenizer"):
+        no_tokenizer.process_inputs("r", [1, 2], SamplingParams(bad_words=["is"]))
+    ids = no_tokenizer.process_inputs("r", [1], SamplingParams(bad_words_token_ids=[[3, 4]]))
+    assert ids.sampling_params.bad_words_token_ids == [[3, 4]]
+    long_word = "xyzzy" * 5
+    assert len(_encode(tokenizer, long_word)) > 16
+    with pytest.raises(ValueError, match="^bad_words: 'xyzzyxyzzy.*' is .* tokens, more than 16"):
+        processor.process_inputs("r", "Hi", SamplingParams(bad_words=[long_word]))
+    with pytest.raises(ValueError, match="^bad_words_token_ids: token id 10000 is outside"):
+        processor.process_inputs("r", "Hi", SamplingParams(bad_words_token_ids=[[1, 10_000]]))
+    with pytest.raises(ValueError, match="^bad_words: not valid Unicode"):
+        processor.process_inputs("r", "Hi", SamplingParams(bad_words=["a\ud800"]))

@@ -249,3 +249,36 @@ def test_allowed_token_ids_with_drafts(engines):
     assert scheduler.get_stats().spec_decode_num_accepted_tokens > before
     for i in (0, 1, 3):
         assert set(got[i][0][0]) <= set(params[i].allowed_token_ids)
+
+
+def test_bad_words_with_drafts(engines):
+    """Requests with bad words do not draft (their recent output tokens advance one step at a
+    time) and get the plain engine's tokens, next to requests that draft, through preemption
+    (a resumed request matches the outputs it brings back)."""
+    plain, spec, tokenizer = engines
+    prompts = _prompts(len(tokenizer))
+    free = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True)]
+    base = _generate(plain, prompts[:2], free)
+    pair, token = base[0][0][0][5:7], base[1][0][0][3]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                       bad_words_token_ids=[pair]),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True,
+                       bad_words_token_ids=[[token], [1, 2, 3]]),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=30, ignore_eos=True),
+    ]
+    expected = _generate(plain, prompts, params)
+    assert expected[0][0][0][:6] == base[0][0][0][:6] and expected[0][0][0][6] != pair[1]
+    assert token not in expected[1][0][0]
+    sequences = [p + c[0] for p, out in zip(prompts, expected, strict=True) for c in out]
+    scheduler = spec.engine_core.scheduler
+    before = scheduler.get_stats().spec_decode_num_accepted_tokens
+    saved, scheduler.proposer = scheduler.proposer, ReferenceProposer(sequences, wrong_every=4)
+    try:
+        got = _generate(spec, prompts, params)
+    finally:
+        scheduler.proposer = saved
+    assert got == expected
+    assert scheduler.get_stats().spec_decode_num_accepted_tokens > before

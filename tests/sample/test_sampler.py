@@ -68,6 +68,7 @@ OTHERS = [
     SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=[2]),
     SamplingParams(temperature=2.0, frequency_penalty=0.7),
     SamplingParams(temperature=0.8, top_k=3, allowed_token_ids=[0, 9, 33, 50, 63]),
+    SamplingParams(temperature=0.6, bad_words_token_ids=[[4, 7], [9], [1, 4, 11]]),
 ]
 
 
@@ -225,6 +226,7 @@ def test_engine_seed_makes_unseeded_requests_reproducible() -> None:
         (SamplingParams(logit_bias={V: 1.0}), None, "logit_bias"),
         (SamplingParams(allowed_token_ids=[3, V]), None, "allowed_token_ids"),
         (SamplingParams(allowed_token_ids=[-2]), None, "allowed_token_ids"),
+        (SamplingParams(bad_words_token_ids=[[3], [1, V]]), None, "bad_words_token_ids"),
         (SamplingParams(min_tokens=2, stop_token_ids=[-1]), None, "stop_token_ids"),
         (SamplingParams(min_tokens=2), V + 5, "stop_token_ids"),
         (SamplingParams(repetition_penalty=1.1), None, "prompt_token_ids"),
@@ -287,6 +289,10 @@ def test_cuda_step_does_not_synchronize() -> None:
             out = sampler(logits, idx_mapping, idx_np)
             sampler.update_after_sampling(idx_mapping, out.sampled_token_ids)
         add_request(sampler, 0, SEEDED, [1, 2, 3], [4, 5])
+        # Wider bad-words tables, and a ring seeded from the outputs, without a wait either.
+        add_request(sampler, 1, SamplingParams(bad_words_token_ids=[[1, 2, 3, 4, 5]] * 9),
+                    [1, 2, 3], [4, 5])
+        out = sampler(logits, idx_mapping, idx_np)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.shape == (len(idx_np),)

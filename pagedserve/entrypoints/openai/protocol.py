@@ -19,7 +19,12 @@ from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
 from pagedserve.entrypoints.openai.tools_protocol import MessageToolCall, ToolFields
 from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
-from pagedserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_TEMPERATURE, SamplingParams
+from pagedserve.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 from pagedserve.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128
@@ -103,6 +108,10 @@ class SamplingFields(StructuredOutputFields):
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
         description="Sample only among these token ids (every other logit is -inf).")
+    bad_words: list[str] | None = Field(
+        None, max_length=MAX_BAD_WORDS,
+        description="Words never generated: a word's last token is blocked whenever the "
+        "output ends with its other tokens (each word as it is and after a space).")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="Keep only the prompt's last k tokens (-1: max_model_len).")
     prompt_logprobs: int | None = Field(
@@ -207,6 +216,7 @@ class SamplingFields(StructuredOutputFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

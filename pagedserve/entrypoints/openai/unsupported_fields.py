@@ -47,7 +47,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "use_beam_search": _BEAM,
     "length_penalty": _BEAM,
     "early_stopping": _BEAM,
-    "bad_words": "",
     "spaces_between_special_tokens": "",
     "add_special_tokens": "a completions field; a chat template writes its own special tokens",
     "continue_final_message": _CHAT_ONLY,  # implemented on chat completions

@@ -1,5 +1,5 @@
 """vLLM's extra request fields on both APIs: ``prompt_logprobs``, ``return_token_ids``,
-``truncate_prompt_tokens``, ``allowed_token_ids``, ``return_tokens_as_token_ids``,
+``truncate_prompt_tokens``, ``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``,
 ``cache_salt``, echo with ``max_tokens: 0``,
 ``stream_options.continuous_usage_stats`` and completions' ``add_special_tokens``, against a real
 server."""
@@ -24,6 +24,9 @@ LONG_PROMPT = " ".join([PROMPT] * 12)
 """Longer than a KV block: a second request finds it in the prefix cache."""
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+FIRST_TOKEN_IS_A_WORD = "Paris is the capital of"
+"""The tiny model's greedy first token after it (as a prompt and as a user message) is a token
+whose text tokenizes back to it alone (a byte of a character would not)."""
 
 
 def _post(server: ServerProcess, path: str, **body: Any) -> httpx.Response:
@@ -182,6 +185,29 @@ def test_truncate_prompt_tokens_and_allowed_token_ids(
              "allowed_token_ids")
     _refused(_post(server, path, model=model_name, truncate_prompt_tokens=0, **body),
              "truncate_prompt_tokens")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_words_change_the_greedy_first_token(
+    server: ServerProcess, model_name: str, path: str
+) -> None:
+    body: dict[str, Any] = {"prompt": FIRST_TOKEN_IS_A_WORD} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": FIRST_TOKEN_IS_A_WORD}]}
+
+    def token_ids(**fields: Any) -> list[int]:
+        choice = _ok(server, path, model=model_name, max_tokens=3, return_token_ids=True,
+                     **GREEDY, **body, **fields)["choices"][0]
+        return choice["token_ids"]
+
+    first = token_ids()[0]
+    word = _detokenize(server, [first])
+    assert _tokenize(server, prompt=word.lstrip(), add_special_tokens=False) == [first], word
+    assert token_ids(bad_words=[word])[0] != first
+    assert token_ids(bad_words=["unrelated"])[0] == first
+    _refused(_post(server, path, model=model_name, bad_words=[word, ""], **body), "bad_words")
+    message = _refused(_post(server, path, model=model_name, bad_words=["xyzzy" * 5], **body),
+                       "bad_words")
+    assert "more than 16" in message
 
 
 # ---- return_tokens_as_token_ids, cache_salt --------------------------------------------------
