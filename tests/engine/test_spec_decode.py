@@ -237,16 +237,7 @@ def test_allowed_token_ids_with_drafts(engines):
                        allowed_token_ids=allowed[:2]),
     ]
     expected = _generate(plain, prompts, params)
-    sequences = [p + c[0] for p, out in zip(prompts, expected, strict=True) for c in out]
-    scheduler = spec.engine_core.scheduler
-    before = scheduler.get_stats().spec_decode_num_accepted_tokens
-    saved, scheduler.proposer = scheduler.proposer, ReferenceProposer(sequences, wrong_every=4)
-    try:
-        got = _generate(spec, prompts, params)
-    finally:
-        scheduler.proposer = saved
-    assert got == expected
-    assert scheduler.get_stats().spec_decode_num_accepted_tokens > before
+    got = _with_reference_drafts(spec, prompts, params, expected)
     for i in (0, 1, 3):
         assert set(got[i][0][0]) <= set(params[i].allowed_token_ids)
 
@@ -272,6 +263,12 @@ def test_bad_words_with_drafts(engines):
     expected = _generate(plain, prompts, params)
     assert expected[0][0][0][:6] == base[0][0][0][:6] and expected[0][0][0][6] != pair[1]
     assert token not in expected[1][0][0]
+    _with_reference_drafts(spec, prompts, params, expected)
+
+
+def _with_reference_drafts(spec, prompts, params, expected):
+    """The spec engine's outputs with drafts read from the expected outputs (every 4th one
+    wrong); they must equal ``expected``, and some drafts must have been accepted."""
     sequences = [p + c[0] for p, out in zip(prompts, expected, strict=True) for c in out]
     scheduler = spec.engine_core.scheduler
     before = scheduler.get_stats().spec_decode_num_accepted_tokens
@@ -282,3 +279,4 @@ def test_bad_words_with_drafts(engines):
         scheduler.proposer = saved
     assert got == expected
     assert scheduler.get_stats().spec_decode_num_accepted_tokens > before
+    return got
