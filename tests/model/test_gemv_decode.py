@@ -21,7 +21,7 @@ from pagedserve.model.llama import LLAMA_LAYERS, LlamaForCausalLM, LlamaMLP  # n
 from tests.model.hf_tiny import our_tiny_model  # noqa: E402
 from tests.model.paged_harness import greedy_generate  # noqa: E402
 
-NUM_STEPS = 6
+NUM_STEPS = 3
 ONLINE_FP8 = Fp8OnlineLinearMethod("dequantize")
 
 
