@@ -11,3 +11,8 @@ def cdiv(a: int, b: int) -> int:
 def round_up(a: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= a."""
     return cdiv(a, multiple) * multiple
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1; 0 for 0 (an empty table stays empty)."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()

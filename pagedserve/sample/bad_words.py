@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.math_utils import next_power_of_2
 from pagedserve.sample.logit_bias import add_sparse
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.staging import copy_from_host
@@ -26,10 +27,6 @@ NO_TOKEN = -1
 """A ring position before the request's first output token: equal to no token id."""
 ANY_TOKEN = -1
 """A prefix position before the word's first token: matches whatever the ring holds there."""
-
-
-def _pow2(n: int) -> int:
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
 def words_of(params: SamplingParams) -> list[list[int]]:
@@ -72,7 +69,7 @@ class BadWordsTable:
         """Widen the tables to hold ``num_words`` words with prefixes of ``prefix_len`` tokens:
         new word rows are padding, older prefixes and rings keep their right alignment (a
         request's own prefixes are never longer than the K its ring was seeded with)."""
-        w, k = max(self.width, _pow2(num_words)), max(self.prefix_len, _pow2(prefix_len))
+        w, k = max(self.width, next_power_of_2(num_words)), max(self.prefix_len, next_power_of_2(prefix_len))
         if (w, k) == (self.width, self.prefix_len):
             return
         prefixes = self._full((w, k), ANY_TOKEN, torch.int64)  # int64 [max_num_reqs, w, k]

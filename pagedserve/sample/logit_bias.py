@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.math_utils import next_power_of_2
 from pagedserve.sample.states import SamplingStates
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker.staging import copy_from_host
@@ -62,7 +63,7 @@ class SlotTokenTable:
         return torch.zeros(self.max_num_reqs, width, dtype=dtype, device=self.device)
 
     def _grow(self, num_pairs: int) -> None:
-        width = 1 << (num_pairs - 1).bit_length()
+        width = next_power_of_2(num_pairs)
         token_ids, values = self._table(width, torch.int64), self._table(width, torch.float32)
         token_ids[:, : self.width] = self.token_ids
         values[:, : self.width] = self.values
@@ -129,7 +130,7 @@ class AllowedTokenTable:
         )
 
     def _grow(self, num_ids: int) -> None:
-        token_ids = self._table(1 << (num_ids - 1).bit_length())
+        token_ids = self._table(next_power_of_2(num_ids))
         if self.width:
             token_ids[:, : self.width] = self.token_ids
             token_ids[:, self.width :] = self.token_ids[:, :1]  # each row's padding id
