@@ -91,13 +91,17 @@ def check_field_types(obj: object) -> None:
             )
 
 
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for an error message about a user's value."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def token_id_list(field: str, ids: Any) -> list[int]:
     """``ids`` as a list of Python ints; ValueError naming ``field`` unless it is a list or
     tuple of integers (not bools)."""
     if isinstance(ids, (list, tuple)) and all(type(t) is int for t in ids):
         return list(ids)  # the common case, a C-speed check (bools are not ints here)
     if not isinstance(ids, (list, tuple)) or not all(holds(t, int) for t in ids):
-        shown = repr(ids)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ValueError(f"{field}: expected a list of token ids (ints), got {shown}")
+        raise ValueError(f"{field}: expected a list of token ids (ints), got {shown(ids)}")
     return [int(t) for t in ids]

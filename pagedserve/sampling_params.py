@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.field_types import check_field_types, holds, require, token_id_list
+from pagedserve.field_types import check_field_types, holds, require, shown, token_id_list
 from pagedserve.structured_output.params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
@@ -43,16 +43,11 @@ def _token_biases(logit_bias: Any) -> dict[int, float]:
     return out
 
 
-def _shown(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
-
-
 def _bad_words(words: Any) -> list[str]:
     """``bad_words`` as a list of words, each with a character other than whitespace (the
     tokenization strips leading whitespace, as vLLM's does, and an empty word has no tokens)."""
     if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-        raise ValueError(f"bad_words: expected a list of strings, got {_shown(words)}")
+        raise ValueError(f"bad_words: expected a list of strings, got {shown(words)}")
     if len(words) > MAX_BAD_WORDS:
         raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
     if not all(w.strip() for w in words):
@@ -66,7 +61,7 @@ def _bad_words_token_ids(sequences: Any) -> list[list[int]]:
     ``MAX_BAD_WORD_TOKENS`` long."""
     field = "bad_words_token_ids"
     if not isinstance(sequences, (list, tuple)):
-        raise ValueError(f"{field}: expected a list of token id lists, got {_shown(sequences)}")
+        raise ValueError(f"{field}: expected a list of token id lists, got {shown(sequences)}")
     if len(sequences) > MAX_BAD_WORDS_TOKEN_IDS:
         raise ValueError(
             f"{field}: at most {MAX_BAD_WORDS_TOKEN_IDS} sequences, got {len(sequences)}"
