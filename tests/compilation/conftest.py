@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from pagedserve.compilation import compile_cache  # noqa: E402
-from pagedserve.compilation.aot_forward import AOT_ENV  # noqa: E402
+from pagedserve.compilation.aot_forward import AOT_ENV, ARTIFACT_DIR  # noqa: E402
 from pagedserve.config import (  # noqa: E402
     CacheConfig,
     CompilationConfig,
@@ -76,17 +76,17 @@ def deep_runner(deep_llama_dir: Path) -> Callable[[str], ModelRunner]:
 
 @pytest.fixture(autouse=True)
 def _private_compile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh ``XDG_CACHE_HOME`` per test (Inductor's directory follows it), saved forwards
-    off."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv(compile_cache.INDUCTOR_CACHE_ENV, raising=False)
+    """A fresh compile cache per test (``TORCHINDUCTOR_CACHE_DIR``: Inductor's entries and the
+    saved forwards), saved forwards off. ``XDG_CACHE_HOME`` is left alone: the CPU kernels
+    built there are not under test, and a fresh one would build them again."""
+    cache = tmp_path / "compile"
+    monkeypatch.setenv(compile_cache.INDUCTOR_CACHE_ENV, str(cache))
     monkeypatch.setenv(AOT_ENV, "0")
-    return tmp_path / "xdg"
+    return cache
 
 
 @pytest.fixture
 def aot_cache(_private_compile_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Saved forwards on; returns the folder they are saved in."""
     monkeypatch.setenv(AOT_ENV, "1")
-    return compile_cache.default_compile_cache_dir(
-        {"XDG_CACHE_HOME": str(_private_compile_cache)}) / "aot_forward"
+    return _private_compile_cache / ARTIFACT_DIR

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from pagedserve import LLM
-from pagedserve.compilation.aot_forward import AOT_ENV
+from pagedserve.compilation.aot_forward import AOT_ENV, ARTIFACT_DIR
+from pagedserve.compilation.compile_cache import INDUCTOR_CACHE_ENV
 from tests.distributed.tiny_tp import ENGINE_ARGS, assert_same_outputs, generate
 
 
 def _saved_forwards(cache: Path) -> dict[Path, int]:
     """Saved forward file -> its modification time (ns)."""
-    files = cache.glob("pagedserve/torch_compile/*/aot_forward/*.bin")
+    files = cache.glob(f"{ARTIFACT_DIR}/*.bin")
     return {path: path.stat().st_mtime_ns for path in files}
 
 
@@ -26,7 +27,8 @@ def _compiled_tp2(model: Path) -> LLM:
 def test_each_rank_saves_its_forward_and_a_warm_start_loads_them(
     checkpoint, tp1_outputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the workers inherit it
+    # The workers inherit it. XDG_CACHE_HOME stays: a fresh one would build the C kernels again.
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(AOT_ENV, "1")
     expected = tp1_outputs("llama")
     for start in ("cold", "warm"):

@@ -15,7 +15,11 @@ from tests.engine.tiny_models import save_checkpoint
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["Hello world", "Paris is", "one two three", "a b c d e f"]
-TRIALS = 12
+MIN_INTERRUPTED = 6
+MAX_TRIALS = 40
+"""Trials go on until MIN_INTERRUPTED signals landed inside a generate: a signal timed from
+one measured generate may land after a later, faster one returned (a busy machine's speed
+drifts), so a fixed number of trials could fall short without anything being wrong."""
 
 
 def _make_llm(folder) -> LLM:
@@ -72,7 +76,9 @@ def test_sigint_at_random_points(folder, expected):
     rng = random.Random(0)
     interrupted = 0
     try:
-        for _ in range(TRIALS):
+        trials = 0
+        while interrupted < MIN_INTERRUPTED and trials < MAX_TRIALS:
+            trials += 1
             timer = threading.Timer(
                 rng.uniform(0, 0.8 * duration),
                 signal.pthread_kill,
@@ -91,8 +97,8 @@ def test_sigint_at_random_points(folder, expected):
             assert _tokens(llm) == expected
     finally:
         signal.signal(signal.SIGINT, previous)
-    print(f"SIGINT trials: {TRIALS}, interrupted inside generate: {interrupted}")
-    assert interrupted >= TRIALS // 2
+    print(f"SIGINT trials: {trials}, interrupted inside generate: {interrupted}")
+    assert interrupted >= MIN_INTERRUPTED
 
 
 @pytest.mark.parametrize("target", ["execute_model", "sample_tokens_async", "schedule"])
