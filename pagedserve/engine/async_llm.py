@@ -29,7 +29,7 @@ from pagedserve.core.request_queue import check_priority
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.chat_messages import ChatRenderOptions
-from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.core_client import EngineCoreClient, EngineProcess
 from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
@@ -105,7 +105,7 @@ class AsyncLLM:
         config: EngineConfig,
         tokenizer: Any,
         model_path: Path,
-        core_factory: Callable[[EngineConfig], Any],
+        engine: EngineProcess,
         observer: StatsObserver | None = None,
         parse_special_tokens_in_content: bool = False,
         engine_timeout: float | None = None,
@@ -118,7 +118,8 @@ class AsyncLLM:
         self.parse_special_tokens_in_content = parse_special_tokens_in_content
         self.tokenizer = tokenizer
         self.model_path = model_path
-        self.core_factory = core_factory
+        self.engine = engine
+        """The engine process, spawned by the caller (it loads the model meanwhile)."""
         self.observer = observer
         self.state = EngineState.STARTING
         self.dead_reason: str | None = None
@@ -141,8 +142,8 @@ class AsyncLLM:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the engine process and wait for its model to load; raises if it fails."""
-        self._client = EngineCoreClient(self.config, self.core_factory)
+        """Wait for the engine process to load its model; raises if it fails."""
+        self._client = EngineCoreClient(self.engine)
         try:
             self.info = await self._client.wait_ready()
         except EngineDeadError as e:
@@ -199,11 +200,12 @@ class AsyncLLM:
                 task.cancel()
         if self._client is not None:
             await self._client.shutdown(timeout)
+        self.engine.close()  # stops an engine that start() never reached; idempotent
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def engine_pid(self) -> int | None:
-        return None if self._client is None else self._client.pid
+        return self.engine.proc.pid
 
     @property
     def max_model_len(self) -> int:

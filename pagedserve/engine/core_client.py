@@ -1,6 +1,7 @@
-"""The API process's handle on the engine process: spawn it, send requests and aborts, receive
-each step's outputs, and learn of its death at once (its sentinel is watched on the event loop,
-so even a SIGKILL is noticed within a loop iteration). Messages: see ``core_proc``.
+"""The API process's handle on the engine process: spawn it (``EngineProcess``), send requests
+and aborts, receive each step's outputs, and learn of its death at once (its sentinel is
+watched on the event loop, so even a SIGKILL is noticed within a loop iteration). Messages: see
+``core_proc``.
 """
 
 from __future__ import annotations
@@ -33,27 +34,32 @@ from pagedserve.engine.core_proc import (
     EngineDeadError,
     EngineInfo,
     StepResult,
+    build_engine_core,
     encode,
     run_engine_core,
 )
 
 
-class EngineCoreClient:
-    """Spawns the engine process and talks to it; lives on the API process's event loop.
+class EngineProcess:
+    """The spawned engine process and the API side's two bound sockets.
 
-    Construct it inside a running event loop. ``get_output`` raises ``EngineDeadError`` as soon
-    as the engine process exits (its sentinel becomes readable) or reports a failure.
+    Needs no event loop: the server spawns it before its own start-up work (imports, the
+    model's config, the tokenizer), which then runs while the engine process imports and
+    loads the model. ``EngineCoreClient`` talks to it from the event loop. The default
+    ``core_factory`` imports the engine core in the engine process only.
     """
 
-    def __init__(self, config: EngineConfig, core_factory: Callable[[EngineConfig], Any]) -> None:
+    def __init__(
+        self, config: EngineConfig, core_factory: Callable[[EngineConfig], Any] = build_engine_core
+    ) -> None:
         self._tmpdir = tempfile.mkdtemp(prefix="pagedserve-ipc-")
         input_addr = f"ipc://{self._tmpdir}/input"
         output_addr = f"ipc://{self._tmpdir}/output"
-        self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(input_addr)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(output_addr)
+        self._ctx = zmq.asyncio.Context()  # its sockets find the event loop on first use
+        self.input = self._ctx.socket(zmq.PUSH)
+        self.input.bind(input_addr)
+        self.output = self._ctx.socket(zmq.PULL)
+        self.output.bind(output_addr)
         # Not daemonic: the engine may start worker processes of its own.
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
@@ -67,23 +73,57 @@ class EngineCoreClient:
             name="pagedserve-engine-core",
         )
         self.proc.start()
+        self._closed = False
+
+    def kill(self) -> None:
+        """SIGKILL the engine process (a hung one may not answer SIGTERM)."""
+        if self.proc.is_alive() and self.proc.pid is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Stop the engine process (SIGTERM, then SIGKILL) and release sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5.0)
+        if self.proc.is_alive():
+            self.kill()
+            self.proc.join(5.0)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class EngineCoreClient:
+    """Talks to an ``EngineProcess``; lives on the API process's event loop.
+
+    Construct it inside a running event loop. ``get_output`` raises ``EngineDeadError`` as soon
+    as the engine process exits (its sentinel becomes readable) or reports a failure.
+    """
+
+    def __init__(self, engine: EngineProcess) -> None:
+        self.engine = engine
         self._loop = asyncio.get_running_loop()
         self._dead: asyncio.Future[str] = self._loop.create_future()
-        self._loop.add_reader(self.proc.sentinel, self._on_process_exit)
+        # An engine that died before this: its sentinel is readable, the callback runs at once.
+        self._loop.add_reader(self.engine.proc.sentinel, self._on_process_exit)
         self._closed = False
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid
+        return self.engine.proc.pid
 
     @property
     def is_dead(self) -> bool:
         return self._dead.done()
 
     def _on_process_exit(self) -> None:
-        self._loop.remove_reader(self.proc.sentinel)
-        self.proc.join(timeout=0.5)  # it has exited: this only reaps it (and sets exitcode)
-        self._mark_dead(f"engine process exited (exit code {self.proc.exitcode})")
+        self._loop.remove_reader(self.engine.proc.sentinel)
+        self.engine.proc.join(timeout=0.5)  # it has exited: this only reaps it (and sets exitcode)
+        self._mark_dead(f"engine process exited (exit code {self.engine.proc.exitcode})")
 
     def _mark_dead(self, reason: str) -> None:
         if not self._dead.done():
@@ -106,7 +146,7 @@ class EngineCoreClient:
         if self._dead.done():
             raise EngineDeadError(self._dead.result())
         # zmq.asyncio returns a Future, typed as a plain Awaitable: ensure_future returns it.
-        recv = asyncio.ensure_future(self._output.recv_multipart())
+        recv = asyncio.ensure_future(self.engine.output.recv_multipart())
         pending: set[asyncio.Future[Any]] = {recv, self._dead}
         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if recv not in done:
@@ -136,7 +176,7 @@ class EngineCoreClient:
         if self._dead.done():
             raise EngineDeadError(self._dead.result())
         send = asyncio.ensure_future(
-            self._input.send_multipart((kind, encode(payload)), copy=False)
+            self.engine.input.send_multipart((kind, encode(payload)), copy=False)
         )
         pending: set[asyncio.Future[Any]] = {send, self._dead}
         done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -146,22 +186,20 @@ class EngineCoreClient:
         send.result()
 
     def kill(self) -> None:
-        """SIGKILL the engine process (a hung one may not answer SIGTERM); its sentinel then
-        marks the client dead."""
-        if self.proc.is_alive() and self.proc.pid is not None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the engine process; its sentinel then marks the client dead."""
+        self.engine.kill()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the engine to stop, wait up to ``timeout`` s, then terminate it; idempotent."""
         if self._closed:
             return
         self._mark_dead("engine shut down")
-        self._loop.remove_reader(self.proc.sentinel)  # one reaper only: the join below
-        if self.proc.is_alive():
+        self._loop.remove_reader(self.engine.proc.sentinel)  # one reaper only: the join below
+        if self.engine.proc.is_alive():
             # Without waiting: the engine may be exiting already (its socket closed).
             with contextlib.suppress(zmq.ZMQError):
-                await self._input.send_multipart((SHUTDOWN, b""), flags=zmq.NOBLOCK)
-            await asyncio.to_thread(self.proc.join, timeout)
+                await self.engine.input.send_multipart((SHUTDOWN, b""), flags=zmq.NOBLOCK)
+            await asyncio.to_thread(self.engine.proc.join, timeout)
         self.close()
 
     def close(self) -> None:
@@ -170,15 +208,6 @@ class EngineCoreClient:
             return
         self._closed = True
         with contextlib.suppress(Exception):
-            self._loop.remove_reader(self.proc.sentinel)
+            self._loop.remove_reader(self.engine.proc.sentinel)
         self._mark_dead("engine shut down")
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5.0)
-        if self.proc.is_alive() and self.proc.pid is not None:  # alive: it has a pid
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.join(5.0)
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self.engine.close()

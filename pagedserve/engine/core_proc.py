@@ -165,6 +165,14 @@ def _send_death(output_socket: zmq.Socket, reason: str) -> None:
         output_socket.send_multipart((DEAD, encode(reason)), flags=zmq.NOBLOCK)
 
 
+def build_engine_core(config: EngineConfig) -> Any:
+    """The engine process's core. Imported here, in the engine process: the API process can
+    spawn the engine before it imports torch itself."""
+    from pagedserve.engine.core import EngineCore
+
+    return EngineCore(config)
+
+
 def run_engine_core(
     config: EngineConfig,
     input_addr: str,

@@ -18,6 +18,7 @@ from pagedserve.engine.async_llm import (
     EngineOverloadedError,
     EngineState,
 )
+from pagedserve.engine.core_client import EngineProcess
 from pagedserve.engine.core_proc import EngineDeadError
 from pagedserve.outputs import RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
@@ -63,7 +64,8 @@ def tokenizer():
 
 def _engine(tokenizer, tmp_path: Path, observer: RecordingObserver | None = None) -> AsyncLLM:
     config = EngineConfig.from_kwargs(max_model_len=LONG_CONTEXT)
-    return AsyncLLM(config, tokenizer, tmp_path, FakeCore, observer=observer)
+    return AsyncLLM(config, tokenizer, tmp_path, EngineProcess(config, FakeCore),
+                    observer=observer)
 
 
 async def _wait_idle(observer: RecordingObserver, timeout: float) -> float:
@@ -186,7 +188,7 @@ def test_engine_death_fails_in_flight_requests(tokenizer, tmp_path: Path) -> Non
 def test_back_pressure_refuses_beyond_max_waiting_requests(tokenizer, tmp_path: Path) -> None:
     async def run() -> None:
         config = EngineConfig.from_kwargs(max_model_len=LONG_CONTEXT, max_waiting_requests=1)
-        engine = AsyncLLM(config, tokenizer, tmp_path, FakeCore)
+        engine = AsyncLLM(config, tokenizer, tmp_path, EngineProcess(config, FakeCore))
         await engine.start()
         try:
             first = await engine.submit(engine.process_inputs([1], SamplingParams(max_tokens=50)))
@@ -228,8 +230,8 @@ def test_hung_engine_is_declared_dead(tokenizer, tmp_path: Path) -> None:
     async def run() -> None:
         observer = RecordingObserver()
         config = EngineConfig.from_kwargs(max_model_len=LONG_CONTEXT)
-        engine = AsyncLLM(config, tokenizer, tmp_path, FakeCore, observer=observer,
-                          engine_timeout=timeout)
+        engine = AsyncLLM(config, tokenizer, tmp_path, EngineProcess(config, FakeCore),
+                          observer=observer, engine_timeout=timeout)
         await engine.start()
         try:
             idle = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.engine.core_client import EngineCoreClient, EngineProcess
 from pagedserve.engine.core_proc import EngineDeadError, StepResult
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.fake_core import CRASH_TOKEN, MAX_MODEL_LEN, VOCAB_SIZE, FakeCore, expected_tokens
@@ -52,7 +52,7 @@ async def _until_idle(client: EngineCoreClient, timeout: float) -> StepResult:
 
 def test_requests_round_trip() -> None:
     async def run() -> None:
-        client = EngineCoreClient(EngineConfig(), FakeCore)
+        client = EngineCoreClient(EngineProcess(EngineConfig(), FakeCore))
         try:
             info = await client.wait_ready()
             assert (info.max_model_len, info.vocab_size) == (MAX_MODEL_LEN, VOCAB_SIZE)
@@ -64,7 +64,7 @@ def test_requests_round_trip() -> None:
             assert last.stats.num_running == 0 and last.stats.generation_tokens == 11
         finally:
             await client.shutdown()
-        assert client.proc.exitcode == 0
+        assert client.engine.proc.exitcode == 0
 
     asyncio.run(run())
 
@@ -72,7 +72,7 @@ def test_requests_round_trip() -> None:
 @pytest.mark.serial  # idle within 2 s
 def test_abort_frees_at_once_and_queue_times_are_reported() -> None:
     async def run() -> None:
-        client = EngineCoreClient(EngineConfig(), FakeCore)
+        client = EngineCoreClient(EngineProcess(EngineConfig(), FakeCore))
         try:
             await client.wait_ready()
             await client.add_request(_request("long", [1], 100_000))
@@ -100,7 +100,7 @@ def test_abort_frees_at_once_and_queue_times_are_reported() -> None:
 
 def test_refused_request_ends_aborted_and_engine_keeps_serving() -> None:
     async def run() -> None:
-        client = EngineCoreClient(EngineConfig(), FakeCore)
+        client = EngineCoreClient(EngineProcess(EngineConfig(), FakeCore))
         try:
             await client.wait_ready()
             await client.add_request(_request("huge", [1] * (MAX_MODEL_LEN + 1), 5))
@@ -118,7 +118,7 @@ def test_refused_request_ends_aborted_and_engine_keeps_serving() -> None:
 @pytest.mark.serial  # noticed within 2 s
 def test_sigkill_is_noticed_at_once() -> None:
     async def run() -> None:
-        client = EngineCoreClient(EngineConfig(), FakeCore)
+        client = EngineCoreClient(EngineProcess(EngineConfig(), FakeCore))
         try:
             await client.wait_ready()
             await client.add_request(_request("long", [1], 100_000))
@@ -140,7 +140,7 @@ def test_sigkill_is_noticed_at_once() -> None:
 
 def test_engine_exception_reaches_the_api_side() -> None:
     async def run() -> None:
-        client = EngineCoreClient(EngineConfig(), FakeCore)
+        client = EngineCoreClient(EngineProcess(EngineConfig(), FakeCore))
         try:
             await client.wait_ready()
             await client.add_request(_request("boom", [CRASH_TOKEN], 5))
@@ -149,7 +149,7 @@ def test_engine_exception_reaches_the_api_side() -> None:
                     await asyncio.wait_for(client.get_output(), 10.0)
         finally:
             await client.shutdown()
-        assert client.proc.exitcode == 1
+        assert client.engine.proc.exitcode == 1
 
     asyncio.run(run())
 
@@ -160,7 +160,7 @@ def _failing_core(config: EngineConfig) -> FakeCore:
 
 def test_start_failure_is_reported() -> None:
     async def run() -> None:
-        client = EngineCoreClient(EngineConfig(), _failing_core)
+        client = EngineCoreClient(EngineProcess(EngineConfig(), _failing_core))
         try:
             with pytest.raises(EngineDeadError, match="/nowhere does not exist"):
                 await client.wait_ready()

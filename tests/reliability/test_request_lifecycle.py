@@ -20,6 +20,7 @@ from pagedserve.engine.async_llm import (
     RequestTimeoutError,
     ServerShuttingDownError,
 )
+from pagedserve.engine.core_client import EngineProcess
 from pagedserve.entrypoints.openai.app import ServerSettings, build_app
 from pagedserve.entrypoints.openai.body_limit import BodySizeLimit
 from pagedserve.entrypoints.openai.errors import install_error_handlers
@@ -39,7 +40,7 @@ def tokenizer():
 
 async def _started(tokenizer, tmp_path: Path) -> AsyncLLM:
     config = EngineConfig.from_kwargs(max_model_len=LONG + 16)
-    engine = AsyncLLM(config, tokenizer, tmp_path, FakeCore)
+    engine = AsyncLLM(config, tokenizer, tmp_path, EngineProcess(config, FakeCore))
     await engine.start()
     return engine
 

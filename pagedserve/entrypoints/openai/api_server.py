@@ -38,7 +38,10 @@ from pagedserve.entrypoints.openai.http_guards import (
 from pagedserve.entrypoints.openai.request_limits import RequestLimits
 
 if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
     from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.core_client import EngineProcess
+    from pagedserve.entrypoints.openai.chat_output import OutputParsing
 
 logger = logging.getLogger(__name__)
 
@@ -268,11 +271,7 @@ class _Server(uvicorn.Server):
 
 def main(args: argparse.Namespace) -> int:
     """Run the server until SIGINT / SIGTERM; 1 if the engine failed to start."""
-    from pagedserve.engine.async_llm import AsyncLLM
-    from pagedserve.engine.core import EngineCore, resolve_engine_config
-    from pagedserve.entrypoints.openai.app import ServerSettings, build_app
-    from pagedserve.entrypoints.openai.metrics import ServerMetrics
-    from pagedserve.model.tokenizer import get_tokenizer
+    from pagedserve.engine.core_client import EngineProcess
 
     _model_from_args(args)
     output_parsing = output_parsing_from_args(args)
@@ -289,6 +288,28 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     config = engine_config_from_args(args)
+    # First the engine process: its imports and model load run while this process does its own
+    # (torch, the model's config, the tokenizer, the app).
+    engine_process = EngineProcess(config)
+    try:
+        return _serve(args, sock, config, engine_process, output_parsing)
+    finally:
+        engine_process.close()  # idempotent: the app's shutdown closed it unless start-up failed
+
+
+def _serve(
+    args: argparse.Namespace,
+    sock: socket.socket,
+    config: EngineConfig,
+    engine_process: EngineProcess,
+    output_parsing: OutputParsing,
+) -> int:
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.core import resolve_engine_config
+    from pagedserve.entrypoints.openai.app import ServerSettings, build_app
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+    from pagedserve.model.tokenizer import get_tokenizer
+
     # The same resolution the engine process does (model files, max_model_len), checked here
     # so a bad model path fails before the server starts.
     _, resolved = resolve_engine_config(config)
@@ -299,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
         config,
         tokenizer,
         resolved.path,
-        EngineCore,
+        engine_process,
         observer=metrics,
         parse_special_tokens_in_content=args.parse_special_tokens_in_content,
         engine_timeout=args.engine_timeout,
