@@ -81,20 +81,25 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def wait_ready(self) -> None:
+        self.wait_for_health(200)
+
+    def wait_for_health(self, status: int) -> None:
+        """Poll /health until it answers ``status`` (200: ready; 503: listening while the model
+        loads)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                status = httpx.get(f"{self.url}/health", timeout=5).status_code
-                self.health_statuses.append(status)
-                if status == 200:
+                answer = httpx.get(f"{self.url}/health", timeout=5).status_code
+                self.health_statuses.append(answer)
+                if answer == status:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+        raise RuntimeError(f"/health not {status} after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
     def engine_pid(self) -> int:
         """The engine-core process: the server's child running multiprocessing's spawn."""

@@ -1,5 +1,6 @@
-"""A server of its own (this module breaks it): 503 while the model loads, the engine process
-killed mid-generation, and a clean exit on SIGTERM afterwards."""
+"""A server of its own (this module breaks it): 503 while the model loads (its engine held
+stopped until then), the engine process killed mid-generation, and a clean exit on SIGTERM
+afterwards."""
 
 from __future__ import annotations
 
@@ -28,10 +29,31 @@ def own_server(
 ) -> Iterator[ServerProcess]:
     proc = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("death") / "server.log")
     try:
+        _hold_engine_until_health_answers(proc)
         proc.wait_ready()
         yield proc
     finally:
         proc.stop()
+
+
+def _hold_engine_until_health_answers(server: ServerProcess) -> None:
+    """Stop the engine process (SIGSTOP) from its spawn until /health has answered 503, then
+    let it go on: the server spawns it first, and the tiny model would be loaded before the
+    server listens."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            pid = server.engine_pid()
+            break
+        except RuntimeError:
+            if time.monotonic() > deadline or server.proc.poll() is not None:
+                raise
+            time.sleep(0.01)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        server.wait_for_health(503)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def _stream_events(
