@@ -1,17 +1,27 @@
 """Start-up and exposure: a busy port fails at once (before the engine starts), a server open
-to the network without a key says so, Host names are checked, /metrics shows no file path."""
+to the network without a key says so, Host names are checked, /metrics shows no file path,
+``--port 0`` names the chosen port, a generation_config.json gives the request defaults."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.entrypoints.openai.server_utils import REPO_ROOT, ServerProcess, metric_value
+from tests.entrypoints.openai.server_utils import (
+    REPO_ROOT,
+    STARTUP_TIMEOUT_S,
+    ServerProcess,
+    metric_value,
+)
 from tests.entrypoints.openai.test_errors import AUTH
 
 BUSY_PORT_LIMIT_S = 30.0
@@ -53,52 +63,58 @@ def test_metrics_show_no_model_path(server: ServerProcess, tiny_model_dir: Path)
     assert str(tiny_model_dir) not in text and f'model_name="{tiny_model_dir.name}"' in text
 
 
-def test_port_zero_banner_names_the_chosen_port(tiny_model_dir: Path):
-    """``--port 0`` lets the system choose; the banner gives the port it chose, which answers."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(tiny_model_dir),
-         "--port", "0", "--dtype", "float32"],
-        cwd=REPO_ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )
+@pytest.fixture(scope="module")
+def port_zero_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[str]:
+    """One server for the two tests below (a start costs seconds): ``--port 0`` (the system
+    chooses) over a copy of the tiny model with a generation_config.json (max_new_tokens 3,
+    temperature 0). Yields the URL its banner names, once the model is ready."""
+    folder = tmp_path_factory.mktemp("generation_config") / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").write_text(
+        json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    log_path = folder.parent / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(folder),
+             "--port", "0", "--dtype", "float32", "--log-level", "warning",
+             "--api-key", AUTH["Authorization"][7:]],
+            cwd=REPO_ROOT, stderr=log, stdout=subprocess.DEVNULL,
+        )
     try:
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 60
-        banner = ""
-        while "serving" not in banner and time.monotonic() < deadline:
-            banner = proc.stderr.readline()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while "serving" not in log_path.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.05)
+        banner = next(line for line in log_path.read_text().splitlines() if "serving" in line)
         url = banner.split(" on ", 1)[1].split()[0]
-        port = int(url.rsplit(":", 1)[1])
-        assert port != 0, banner
-        assert httpx.get(f"{url}/version", timeout=10).status_code == 200
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def test_generation_config_gives_the_defaults_of_unset_fields(tiny_model_dir: Path,
-                                                              tmp_path: Path):
+def test_port_zero_banner_names_the_chosen_port(port_zero_server: str):
+    """``--port 0`` lets the system choose; the banner gives the port it chose, which answers."""
+    port = int(port_zero_server.rsplit(":", 1)[1])
+    assert port != 0
+    assert httpx.get(f"{port_zero_server}/version", timeout=10).status_code == 200
+
+
+def test_generation_config_gives_the_defaults_of_unset_fields(port_zero_server: str):
     """A model folder's generation_config.json (max_new_tokens 3, temperature 0): a request
     that sets neither gets 3 greedy tokens; one that sets max_tokens gets its own count."""
-    import json
-    import shutil
+    with httpx.Client(base_url=port_zero_server, headers=AUTH, timeout=60) as http:
+        def complete(**fields: object) -> dict:
+            response = http.post("/v1/completions", json={"prompt": "Hello", **fields,
+                                                         "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            return response.json()
 
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, folder)
-    (folder / "generation_config.json").write_text(
-        json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
-    server = ServerProcess(folder, tmp_path / "server.log", "--api-key", AUTH["Authorization"][7:])
-    try:
-        server.wait_ready()
-        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
-            def complete(**fields: object) -> dict:
-                response = http.post("/v1/completions", json={"prompt": "Hello", **fields,
-                                                             "ignore_eos": True})
-                assert response.status_code == 200, response.text
-                return response.json()
-
-            first, second = complete(), complete()
-            assert first["usage"]["completion_tokens"] == 3
-            assert first["choices"][0]["text"] == second["choices"][0]["text"]  # greedy
-            assert complete(max_tokens=5)["usage"]["completion_tokens"] == 5
-    finally:
-        server.stop()
+        first, second = complete(), complete()
+        assert first["usage"]["completion_tokens"] == 3
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]  # greedy
+        assert complete(max_tokens=5)["usage"]["completion_tokens"] == 5
