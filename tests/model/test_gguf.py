@@ -196,10 +196,11 @@ def test_gguf_config_matches_hf(tmp_path: Path, arch: str) -> None:
     assert config.tie_word_embeddings is False
 
 
-def test_gguf_matches_transformers_gguf_reader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_1])  # the default model's two
+def test_gguf_matches_transformers_gguf_reader(tmp_path: Path, qtype: QType) -> None:
     """transformers' own GGUF loader (an independent reader) sees the same weights as ours."""
     hf_model = tiny_hf_model("llama", tie=False)
-    write_gguf(tmp_path / "m.gguf", "llama", hf_model.state_dict(), hf_model.config, QType.Q8_0)
+    write_gguf(tmp_path / "m.gguf", "llama", hf_model.state_dict(), hf_model.config, qtype)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").state_dict()
     ours = dict(iterate_weights(resolve_model(str(tmp_path))))
     assert set(ours) == set(theirs)
