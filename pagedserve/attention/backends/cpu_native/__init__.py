@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,7 +43,9 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 whose constructor sets flush-to-zero / denormals-are-zero for the whole process when the
 library loads (torch's numerics included)."""
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
-INCLUDE_DIRS = (Path(__file__).parent, Path(__file__).parents[3] / "layers")
+PACKAGE_DIR = Path(__file__).parents[3]
+"""``pagedserve/``: each ``*.c`` under it is the source of one library."""
+INCLUDE_DIRS = (Path(__file__).parent, PACKAGE_DIR / "layers")
 """Where the kernels' shared headers live (``paged_attention.h`` here, ``cpu_kernels.h`` in
 ``layers``): every source may include any of them, and every header's text is part of every
 library's name, so editing a header rebuilds what includes it."""
@@ -110,6 +113,25 @@ def built_library(source: Path) -> Path:
     if not path.exists():
         build(cc, path, source)
     return path
+
+
+def build_all(sources: list[Path] | None = None) -> dict[Path, str | None]:
+    """Build the libraries of ``sources`` (default: every ``*.c`` of the package, each the
+    source of one library) that are not built yet, all at once: each build is a compiler
+    process, so on several cores they overlap. ``scripts/install.sh`` runs this (``python -m
+    pagedserve.attention.backends.cpu_native``), so that a first start does not wait for the
+    builds one after another. Returns source -> None (built, or found) or why it failed."""
+    sources = sorted(PACKAGE_DIR.rglob("*.c")) if sources is None else sources
+
+    def build_one(source: Path) -> str | None:
+        try:
+            built_library(source)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            return str(e)
+        return None
+
+    with ThreadPoolExecutor(max(len(sources), 1)) as pool:
+        return dict(zip(sources, pool.map(build_one, sources), strict=True))
 
 
 class PagedDecodeKernel:
