@@ -6,9 +6,10 @@ reference gathers every decoding request's blocks into a padded copy and runs SD
 its time goes to the gather and per-call overhead rather than to reading the keys and values.
 The kernel reads them in place through the block table (docs/cpu.md#c-decode-kernel).
 
-Built on first use into ``default_cache_dir() / "cpu_kernels"`` (about a second), named by a
-hash of the source, the compiler flags, the compiler and this CPU's feature flags
-(``-march=native`` code must not run on another CPU). No compiler, or a failed build: the
+Built on first use into ``default_cache_dir() / "cpu_kernels"`` (or beforehand, with the
+package's other C kernels, by ``build_all``), named by a hash of the source, the compiler
+flags, the compiler and this CPU's feature flags (``-march=native`` code must not run on
+another CPU). No compiler, or a failed build: the
 caller gets ``None`` and keeps the torch path (the reason is logged once).
 
 Threads: the kernel is OpenMP code linked against ``libgomp.so.1``; in a torch process that

@@ -2,7 +2,7 @@
  * KV cache, read in place through the block table (no gather, no padding).
  *
  * Built by cpu_native/__init__.py with the system C compiler into a small shared library
- * and called through ctypes; no Python or torch headers, so it compiles in about a second.
+ * and called through ctypes; no Python or torch headers, so it compiles quickly.
  * Compiled with -ffast-math but linked without it (see COMPILE_FLAGS there).
  *
  * Layouts (row strides in elements, the last axis contiguous):
