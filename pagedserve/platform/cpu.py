@@ -110,7 +110,11 @@ class CpuPlatform(Platform):
     def configure_process(self) -> Callable[[], None]:
         """The thread count (``configure_cpu_threads``, then ``cpu_thread_governor`` between
         steps, up to the count torch had before) and the allocator
-        (``configure_cpu_allocator``)."""
+        (``configure_cpu_allocator``); the C kernels not built yet, all at once (their loaders
+        would build them one after another)."""
+        from pagedserve.attention.backends.cpu_native import build_all
+
+        build_all()  # a failed build is logged by its loader, which keeps the torch path
         max_threads = min(torch.get_num_threads(), usable_cpu_cores())
         threads = configure_cpu_threads()
         allocator = "tuned" if configure_cpu_allocator() else "default (mallopt missing or refused)"

@@ -1,5 +1,6 @@
 """``build_all``: every C source of the package built once, the builds at the same time, a
-failed build named by its source; the libraries then found, not built again. The compiler is
+failed build named by its source; the libraries then found, not built again; a CPU engine's
+start-up builds the missing ones the same way. The compiler is
 replaced by a stand-in that writes an empty file (the real builds are tested by the kernels'
 own tests)."""
 
@@ -10,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedserve.attention.backends import cpu_native
 from pagedserve.attention.backends.cpu_native import __main__ as build_command
 from pagedserve.attention.backends.cpu_native import prefill
 from pagedserve.layers import cpu_gemv, cpu_rows
 from pagedserve.model import cpu_decode
+from pagedserve.platform import platform_for
 
 LOADED_SOURCES = {cpu_native.SOURCE, prefill.SOURCE, cpu_gemv.SOURCE, cpu_rows.SOURCE,
                   cpu_decode.SOURCE}
@@ -79,3 +82,13 @@ def test_a_failed_build_is_named_and_the_others_are_built(
     assert "C kernel paged_prefill.c not built: " in err and "stand-in error" in err
     assert "1 not built" in err
     assert cpu_native.build_all()[prefill.SOURCE] is not None  # tried again, fails again
+
+
+def test_a_cpu_engine_start_builds_the_missing_kernels_at_once(compiler) -> None:
+    stand_in = compiler()
+    threads = torch.get_num_threads()
+    try:
+        platform_for("cpu").configure_process()  # what EngineCore and each CPU rank call
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(stand_in.built) == sorted(LOADED_SOURCES) and stand_in.peak > 1

@@ -56,6 +56,7 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES: list[type[ctypes._SimpleCData]] = [_ptr] * 7 + [_i64] * 9 + [ctypes.c_float, _i32, _i32]
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -66,6 +67,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
 def _compiler_version(cc: str) -> str:
     return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
 
@@ -120,8 +122,9 @@ def build_all(sources: list[Path] | None = None) -> dict[Path, str | None]:
     """Build the libraries of ``sources`` (default: every ``*.c`` of the package, each the
     source of one library) that are not built yet, all at once: each build is a compiler
     process, so on several cores they overlap. ``scripts/install.sh`` runs this (``python -m
-    pagedserve.attention.backends.cpu_native``), so that a first start does not wait for the
-    builds one after another. Returns source -> None (built, or found) or why it failed."""
+    pagedserve.attention.backends.cpu_native``), and a CPU engine at start-up, so that a first
+    start does not wait for the builds one after another. Returns source -> None (built, or
+    found) or why it failed."""
     sources = sorted(PACKAGE_DIR.rglob("*.c")) if sources is None else sources
 
     def build_one(source: Path) -> str | None:
