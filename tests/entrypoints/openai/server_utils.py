@@ -46,8 +46,10 @@ class ServerProcess:
     """``python -m pagedserve.entrypoints.cli serve MODEL ...`` as a child process."""
 
     def __init__(self, model_dir: Path, log_path: Path, *extra_args: str,
-                 env: Mapping[str, str] | None = None) -> None:
-        self.port = free_port()
+                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+        """``port``: None takes a free one; 0 lets the system choose, and ``port`` / ``url``
+        are read from the start-up banner once it is printed."""
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_statuses: list[int] = []
@@ -90,6 +92,9 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if self.port == 0 and not self._read_port_from_banner():
+                time.sleep(0.05)
+                continue
             try:
                 answer = httpx.get(f"{self.url}/health", timeout=5).status_code
                 self.health_statuses.append(answer)
@@ -100,6 +105,15 @@ class ServerProcess:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"/health not {status} after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def _read_port_from_banner(self) -> bool:
+        """Sets ``port`` and ``url`` from ``pagedserve: serving ... on http://HOST:PORT``."""
+        banner = next((line for line in self.log().splitlines() if " serving " in line), None)
+        if banner is None:
+            return False
+        self.url = banner.split(" on ", 1)[1].split()[0]
+        self.port = int(self.url.rsplit(":", 1)[1])
+        return True
 
     def engine_pid(self) -> int:
         """The engine-core process: the server's child running multiprocessing's spawn."""

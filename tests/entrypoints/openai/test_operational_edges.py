@@ -18,7 +18,6 @@ import pytest
 
 from tests.entrypoints.openai.server_utils import (
     REPO_ROOT,
-    STARTUP_TIMEOUT_S,
     ServerProcess,
     metric_value,
 )
@@ -73,28 +72,13 @@ def port_zero_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     shutil.copytree(tiny_model_dir, folder)
     (folder / "generation_config.json").write_text(
         json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
-    log_path = folder.parent / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(folder),
-             "--port", "0", "--dtype", "float32", "--log-level", "warning",
-             "--api-key", AUTH["Authorization"][7:]],
-            cwd=REPO_ROOT, stderr=log, stdout=subprocess.DEVNULL,
-        )
+    proc = ServerProcess(folder, folder.parent / "server.log", "--api-key",
+                         AUTH["Authorization"][7:], port=0)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while "serving" not in log_path.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text()
-            time.sleep(0.05)
-        banner = next(line for line in log_path.read_text().splitlines() if "serving" in line)
-        url = banner.split(" on ", 1)[1].split()[0]
-        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-        yield url
+        proc.wait_ready()
+        yield proc.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.stop()
 
 
 def test_port_zero_banner_names_the_chosen_port(port_zero_server: str):
