@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
+    "BeamSearchParams": "pagedserve.beam_search",
     "SamplingParams": "pagedserve.sampling_params",
     "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
@@ -20,10 +21,11 @@ _LAZY = {
 }
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-    "__version__",
+    "BeamSearchParams", "__version__",
 ]
 
 if TYPE_CHECKING:
+    from pagedserve.beam_search import BeamSearchParams
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams

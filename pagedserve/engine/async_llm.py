@@ -23,11 +23,13 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import RequestStatus
 from pagedserve.core.request_queue import check_priority
 from pagedserve.core.sched_output import EngineCoreOutput
 from pagedserve.core.stats import SchedulerStats
+from pagedserve.engine.beam_search_stream import BeamSearchStream
 from pagedserve.engine.chat_messages import ChatRenderOptions
 from pagedserve.engine.core_client import EngineCoreClient, EngineProcess
 from pagedserve.engine.core_proc import EngineDeadError, EngineInfo, StepResult
@@ -255,7 +257,7 @@ class AsyncLLM:
         return await self._in_tokenizer_thread(processor.encode, field, text, add_special_tokens)
 
     def process_inputs(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptType, params: SamplingParams | BeamSearchParams, request_id: str | None = None
     ) -> ProcessedRequest:
         """Validate and tokenize a request (nothing is sent yet). Raises ``ValueError`` naming
         the field, ``EngineOverloadedError`` beyond ``max_waiting_requests``, and
@@ -266,7 +268,7 @@ class AsyncLLM:
     async def process_inputs_async(
         self,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
@@ -303,6 +305,8 @@ class AsyncLLM:
         assert self._client is not None
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout: must be positive, got {timeout}")
+        if processed.beam_search is not None:
+            return BeamSearchStream(self, processed, timeout)
         stream = RequestStream(self, processed, timeout)
         if not self._streams:
             self._last_progress = time.monotonic()  # an idle engine owed no step until now

@@ -10,6 +10,7 @@ prefix cache. The output processor folds them back into one ``RequestOutput``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import jinja2
 
+from pagedserve.beam_search import BeamSearch, BeamSearchParams, expansion_params
 from pagedserve.core.request import Request
 from pagedserve.engine.chat_messages import (
     ChatMessages,
@@ -50,8 +52,12 @@ class ProcessedRequest:
     sampling_params: SamplingParams
     """The resolved parameters of the request (``max_tokens`` filled, extra EOS ids added)."""
     requests: list[Request]
-    """The ``n`` children, in completion-index order; ``n == 1``: one request with ``request_id``."""
+    """The ``n`` children, in completion-index order; ``n == 1``: one request with ``request_id``.
+    Empty for a beam search, whose frontend sends each round's expansions itself."""
     arrival_time: float
+    beam_search: BeamSearch | None = None
+    """Set for a beam search (``BeamSearchParams``); ``sampling_params`` are then those of
+    each expansion request."""
 
 
 def check_unicode(field: str, text: str) -> None:
@@ -368,7 +374,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
@@ -376,6 +382,8 @@ class InputProcessor:
 
         Raises ``ValueError`` naming the field (prompt, max_tokens, stop_token_ids, ...).
         """
+        if isinstance(params, BeamSearchParams):
+            return self._process_beam_search(request_id, prompt, params, arrival_time, priority)
         _require_sampling_params(params)
         text, prompt_token_ids = self._truncate(params, *self.tokenize(prompt))
         cache_salt = _cache_salt(prompt)
@@ -402,6 +410,28 @@ class InputProcessor:
         return ProcessedRequest(
             request_id, text, prompt_token_ids, resolved, requests, arrival_time
         )
+
+    def _process_beam_search(
+        self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+        arrival_time: float | None, priority: int,
+    ) -> ProcessedRequest:
+        """Validated as a request for ``params.max_tokens`` tokens is; its EOS ids are those
+        that request would stop on."""
+        probe = self.process_inputs(
+            request_id, prompt,
+            SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos),
+            arrival_time, priority,
+        )
+        resolved = probe.sampling_params
+        assert resolved.max_tokens is not None  # resolve_params fills it
+        eos_ids = set() if params.ignore_eos else {self.eos_token_id, *resolved.stop_token_ids}
+        search = BeamSearch(
+            probe.prompt_token_ids, params, resolved.max_tokens,
+            frozenset(t for t in eos_ids if t is not None), priority,
+            probe.requests[0].cache_salt,
+        )
+        return dataclasses.replace(probe, sampling_params=expansion_params(params), requests=[],
+                                   beam_search=search)
 
     def _truncate(
         self, params: SamplingParams, text: str | None, token_ids: list[int]

@@ -15,6 +15,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedserve.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    candidates,
+    expansion_prompt,
+    search_sequences,
+    text_decoder,
+)
 from pagedserve.config import (
     DEFAULT_MODEL,
     CacheConfig,
@@ -154,6 +162,34 @@ class LLM:
             return self._run_to_completion(request_ids, use_tqdm)
         finally:
             self._abort(request_ids)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the ``params.beam_width`` most likely completions of
+        each prompt, best first (pagedserve/beam_search.py says how beams are scored). The
+        rounds of all prompts run as one batch each. ``prompts`` as for ``generate``."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        processed = [
+            self.input_processor.process_inputs(str(next(self._request_counter)), p, params)
+            for p in _as_prompt_list(prompts)
+        ]
+        searches = [p.beam_search for p in processed if p.beam_search is not None]
+        expansion = processed[0].sampling_params
+        while True:
+            pending = [search.pending() for search in searches]
+            batch = [expansion_prompt(search, ids)
+                     for search, lists in zip(searches, pending, strict=True) for ids in lists]
+            if not batch:
+                break
+            outputs = iter(self.generate(batch, expansion, use_tqdm=False))
+            for search, lists in zip(searches, pending, strict=True):
+                if lists:
+                    search.advance([candidates(next(outputs)) for _ in lists])
+        decode = text_decoder(self.tokenizer)
+        eos = self.input_processor.eos_token_id
+        return [search_sequences(search, eos, decode) for search in searches]
 
     def chat(
         self,

@@ -116,3 +116,32 @@ def hf_log_softmax(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def hf_beam_search(model: PreTrainedModel, prompt_ids: list[int], width: int, max_tokens: int,
+                   eos_ids: frozenset[int] = frozenset(), length_penalty: float = 1.0,
+                   ) -> list[tuple[list[int], float]]:
+    """A plain beam search over transformers' log-probabilities, by the rules of
+    pagedserve/beam_search.py: every live beam's 2 x width most likely next tokens are the
+    candidates, the width best non-EOS ones stay live, an EOS one is complete; score = summed
+    log-probability / (tokens, a final EOS not counted) ** length_penalty. Returns the width
+    best (generated tokens, summed log-probability), best first."""
+
+    def score(beam: tuple[list[int], float]) -> float:
+        tokens, total = beam
+        ended = bool(tokens) and tokens[-1] in eos_ids
+        return total / max(1, len(tokens) - ended) ** length_penalty
+
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    complete: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        extended = []
+        for tokens, total in live:
+            top = torch.topk(hf_log_softmax(model, prompt_ids + tokens)[-1], 2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                child = (tokens + [token], total + logprob)
+                (complete if token in eos_ids else extended).append(child)
+        live = sorted(extended, key=score, reverse=True)[:width]
+        if not live:
+            break
+    return sorted(complete + live, key=score, reverse=True)[:width]

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from pagedserve.engine.chat_messages import ChatRenderOptions
 from pagedserve.engine.input_processor import check_unicode
 from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
@@ -34,9 +35,18 @@ MAX_STOP = 64
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
     "skip_special_tokens", "logprobs", "add_generation_prompt", "return_token_ids",
-    "add_special_tokens", "return_tokens_as_token_ids", "include_reasoning",
+    "add_special_tokens", "return_tokens_as_token_ids", "include_reasoning", "use_beam_search",
+    "length_penalty",
 })
 """Fields whose explicit null means their default (``_or_null`` says so in the schema)."""
+BEAM_SEARCH_FIELDS = frozenset({
+    "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "ignore_eos",
+    "use_beam_search", "length_penalty", "temperature", "stream", "stream_options", "user",
+    "timeout", "priority", "cache_salt", "echo", "add_special_tokens", "return_token_ids",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    "include_reasoning",
+})
+"""The fields a beam search applies; any other set to a value but its default is a 400."""
 
 
 def _or_null(schema: dict[str, Any]) -> None:
@@ -128,6 +138,13 @@ class SamplingFields(StructuredOutputFields):
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache hits only between requests with the same "
         "salt (tenants that must not probe each other's prompts through timing).")
+    use_beam_search: bool = Field(
+        False, description="Beam search: the n most likely completions (n beams, at most "
+        f"{MAX_BEAM_WIDTH}), best first; other sampling fields do not apply (400).",
+        json_schema_extra=_or_null)
+    length_penalty: float = Field(
+        1.0, description="Beam search: a beam's score is its log-probability over its "
+        "length to this power.", json_schema_extra=_or_null)
     # pagedserve's extra.
     timeout: float | None = Field(
         None,
@@ -184,6 +201,21 @@ class SamplingFields(StructuredOutputFields):
         ):
             raise ValueError("stream_options.continuous_usage_stats: needs include_usage")
 
+    def _beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
+        """``use_beam_search``: the beams' parameters; a field the search would not apply,
+        set to anything but its default, is refused by name."""
+        fields = type(self).model_fields
+        for name in sorted(self.model_fields_set - BEAM_SEARCH_FIELDS):
+            if getattr(self, name) != fields[name].default:
+                raise ValueError(f"{name}: does not apply to beam search (use_beam_search)")
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"n: beam search takes at most {MAX_BEAM_WIDTH} beams, got {self.n}")
+        if self.temperature:
+            raise ValueError("temperature: beam search ranks beams by the model's "
+                             "log-probabilities; leave it out or send 0")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)
+
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
         defaults: Mapping[str, Any],
@@ -192,6 +224,8 @@ class SamplingFields(StructuredOutputFields):
         for the fields the request leaves unset; then the engine's own defaults."""
 
         self._check_stream_fields()
+        if self.length_penalty != 1.0:
+            raise ValueError("length_penalty: applies to beam search only (use_beam_search)")
 
         def given(name: str, engine_default: Any) -> Any:
             value = getattr(self, name)
@@ -280,7 +314,9 @@ class CompletionRequest(SamplingFields):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams | BeamSearchParams:
         """``defaults``: the model's default sampling values, for the fields left unset."""
         defaults = defaults or {}
         # echo with logprobs also reports the prompt tokens' logprobs, as the legacy API does.
@@ -293,7 +329,11 @@ class CompletionRequest(SamplingFields):
         if max_tokens == 0:
             if not self.echo:
                 raise ValueError("max_tokens: 0 needs echo (the response is the prompt alone)")
+            if self.use_beam_search:
+                raise ValueError("max_tokens: beam search needs at least 1")
             max_tokens = 1  # the engine computes one token, which the response leaves out
+        if self.use_beam_search:
+            return self._beam_search_params(max_tokens)
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
     @property
@@ -402,7 +442,9 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
                              "structured_outputs or guided_*")
         return tool_constraint or given
 
-    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams | BeamSearchParams:
         """``defaults``: the model's default sampling values, for the fields left unset."""
         defaults = defaults or {}
         if self.top_logprobs is not None and not self.logprobs:
@@ -415,6 +457,8 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         )
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
+        if self.use_beam_search:
+            return self._beam_search_params(max_tokens)
         params = self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
         if self.effective_tool_choice == "auto" and (
             "skip_special_tokens" not in self.model_fields_set

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 _FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
-_BEAM = "beam search is not implemented"
+_BEAM = "use_beam_search with n gives the n most likely completions"
 _TEMPLATE = "the chat template is the server's own (--chat-template)"
 _CHAT_ONLY = "a chat completions field"
 _MULTIMODAL = "the models served are text-only"
@@ -44,9 +44,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "best_of": _BEAM,
     "suffix": "",
     # vLLM's extras.
-    "use_beam_search": _BEAM,
-    "length_penalty": _BEAM,
-    "early_stopping": _BEAM,
+    "early_stopping": "a beam search runs until no beam is live or max_tokens",
     "spaces_between_special_tokens": "",
     "add_special_tokens": "a completions field; a chat template writes its own special tokens",
     "continue_final_message": _CHAT_ONLY,  # implemented on chat completions

@@ -62,7 +62,7 @@ SAMPLES: dict[str, Any] = {
     "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False,
     "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "[ab]+"},
     "guided_json": {"type": "object"}, "guided_regex": "[ab]+", "guided_choice": ["a", "b"],
-    "guided_grammar": 'root ::= "a"',
+    "guided_grammar": 'root ::= "a"', "use_beam_search": True, "length_penalty": 0.5,
     # Refused: a value a client would send.
     "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text"],
@@ -70,7 +70,7 @@ SAMPLES: dict[str, Any] = {
     "metadata": {"k": "v"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "prompt_cache_key": "k", "prompt_cache_options": {},
     "prompt_cache_retention": "24h", "safety_identifier": "u", "moderation": {},
-    "best_of": 2, "suffix": "end", "use_beam_search": True, "length_penalty": 0.5,
+    "best_of": 2, "suffix": "end",
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
     "allowed_token_ids": [5], "bad_words": ["x"], "continue_final_message": True,
     "add_special_tokens": False, "documents": [{"text": "x"}], "chat_template": "{{ 1 }}",
@@ -128,6 +128,10 @@ def test_every_field_is_used_or_refused(cls: type[SamplingFields], path: str,
             if name == "top_logprobs":
                 body["logprobs"] = True  # needs it; compared with logprobs alone
                 assert _params(cls, body) != _params(cls, {**_base(cls), "logprobs": True})
+            elif name == "length_penalty":
+                body["use_beam_search"] = True  # needs it; compared with it alone
+                beams = {**_base(cls), "use_beam_search": True}
+                assert _params(cls, body) != _params(cls, beams)
             else:
                 assert _params(cls, body) != baseline, f"{name} changes nothing"
         else:
