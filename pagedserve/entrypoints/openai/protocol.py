@@ -31,6 +31,7 @@ from pagedserve.structured_output.params import StructuredOutputsParams
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 64
+MAX_REQUEST_ID_CHARS = 512
 
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
@@ -42,7 +43,7 @@ NULL_MEANS_DEFAULT = frozenset({
 BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "ignore_eos",
     "use_beam_search", "length_penalty", "temperature", "stream", "stream_options", "user",
-    "timeout", "priority", "cache_salt", "echo", "add_special_tokens", "return_token_ids",
+    "timeout", "priority", "cache_salt", "echo", "request_id", "add_special_tokens", "return_token_ids",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     "include_reasoning",
 })
@@ -138,6 +139,10 @@ class SamplingFields(StructuredOutputFields):
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache hits only between requests with the same "
         "salt (tenants that must not probe each other's prompts through timing).")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=MAX_REQUEST_ID_CHARS,
+        description="The response's id after its prefix (cmpl-, chatcmpl-); an X-Request-Id "
+        "header wins over it. Default: a random id.")
     use_beam_search: bool = Field(
         False, description="Beam search: the n most likely completions (n beams, at most "
         f"{MAX_BEAM_WIDTH}), best first; other sampling fields do not apply (400).",

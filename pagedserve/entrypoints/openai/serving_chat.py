@@ -34,10 +34,10 @@ from pagedserve.entrypoints.openai.responses import (
     DeltaMessage,
     UsageInfo,
     now,
-    random_id,
 )
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE,
+    RequestIds,
     cancel_on_disconnect,
     check_model,
     close_all,
@@ -70,7 +70,7 @@ class OpenAIServingChat:
         self, request: ChatCompletionRequest, raw: Request
     ) -> Response:
         model = check_model(request.model, self.served_model_names)
-        request_id = random_id("chatcmpl")
+        ids = RequestIds.of("chatcmpl", raw, request.request_id)
         self.limits.check_chat(request)
         # The engine says max_tokens; the client may have sent max_completion_tokens.
         names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
@@ -82,16 +82,17 @@ class OpenAIServingChat:
                 request.chat_dicts(), request.chat_options()
             ))
             processed = await self.engine.process_inputs_async(
-                prompt, params, request_id, request.priority
+                prompt, params, ids.engine, request.priority
             )
         if not request.stream:
-            return await cancel_on_disconnect(raw, self._full(request, model, processed, parser))
+            return await cancel_on_disconnect(
+                raw, self._full(request, model, ids.response, processed, parser))
         with engine_errors():
             streams = await submit_all(
                 self.engine, [processed], RequestOutputKind.DELTA, request.timeout
             )
         return StreamingResponse(
-            self._stream(request, model, processed, streams[0], parser),
+            self._stream(request, model, ids.response, processed, streams[0], parser),
             media_type="text/event-stream",
         )
 
@@ -119,8 +120,8 @@ class OpenAIServingChat:
     # -- non-streaming -------------------------------------------------------------------------
 
     async def _full(
-        self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest,
-        parser: ChoiceParser,
+        self, request: ChatCompletionRequest, model: str, response_id: str,
+        processed: ProcessedRequest, parser: ChoiceParser,
     ) -> Response:
         with engine_errors():
             streams = await submit_all(
@@ -152,7 +153,7 @@ class OpenAIServingChat:
             final.num_cached_tokens or 0,
         )
         response = ChatCompletionResponse(
-            id=processed.request_id, model=model, choices=choices, usage=usage,
+            id=response_id, model=model, choices=choices, usage=usage,
             prompt_token_ids=_prompt_ids(request, processed),
         )
         if request.prompt_logprobs is not None:
@@ -165,8 +166,8 @@ class OpenAIServingChat:
     # -- streaming -----------------------------------------------------------------------------
 
     async def _stream(
-        self, request: ChatCompletionRequest, model: str, processed: ProcessedRequest,
-        stream: RequestStream, parser: ChoiceParser,
+        self, request: ChatCompletionRequest, model: str, response_id: str,
+        processed: ProcessedRequest, stream: RequestStream, parser: ChoiceParser,
     ) -> AsyncIterator[str]:
         created = now()
         prompt_tokens = len(processed.prompt_token_ids)
@@ -177,7 +178,7 @@ class OpenAIServingChat:
             usage = None
             if request.continuous_usage:
                 usage = UsageInfo.of(prompt_tokens, choice_tokens[choice.index], cached_tokens)
-            return sse(ChatCompletionChunk(id=processed.request_id, created=created, model=model,
+            return sse(ChatCompletionChunk(id=response_id, created=created, model=model,
                                            choices=[choice], usage=usage,
                                            prompt_token_ids=prompt_ids))
 
@@ -219,7 +220,7 @@ class OpenAIServingChat:
             if request.include_usage:
                 yield sse(
                     ChatCompletionChunk(
-                        id=processed.request_id,
+                        id=response_id,
                         created=created,
                         model=model,
                         choices=[],

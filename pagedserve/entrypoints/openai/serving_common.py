@@ -8,7 +8,9 @@ import contextlib
 import json
 import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -29,6 +31,7 @@ from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.entrypoints.openai.errors import OpenAIError, bad_request, param_from_message
 from pagedserve.entrypoints.openai.logprobs import TokenText, decoded_text, id_text
 from pagedserve.entrypoints.openai.protocol import SamplingFields
+from pagedserve.entrypoints.openai.responses import random_id
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -145,6 +148,26 @@ def stream_error(exc: Exception) -> dict:
         logger.error("streaming request failed", exc_info=exc)
         err = OpenAIError(500, f"internal error: {exc!r}", code="internal_error")
     return err.body()
+
+
+@dataclass(frozen=True)
+class RequestIds:
+    """A request's id in its response, and the base of its engine requests' ids."""
+
+    response: str
+    engine: str
+
+    @classmethod
+    def of(cls, prefix: str, raw: Request, given: str | None) -> RequestIds:
+        """vLLM's: the client's ``X-Request-Id`` header, else the body's ``request_id``, after
+        ``prefix``; else a random id. The engine's ids get a random suffix, so a client that
+        repeats its id while the first request runs does not collide with it."""
+        given = raw.headers.get("x-request-id") or given
+        if not given:
+            random = random_id(prefix)
+            return cls(random, random)
+        response = f"{prefix}-{given}"
+        return cls(response, f"{response}-{uuid.uuid4().hex[:12]}")
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

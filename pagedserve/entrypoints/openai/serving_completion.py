@@ -25,10 +25,10 @@ from pagedserve.entrypoints.openai.responses import (
     CompletionResponse,
     UsageInfo,
     now,
-    random_id,
 )
 from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE,
+    RequestIds,
     cancel_on_disconnect,
     check_model,
     close_all,
@@ -58,27 +58,27 @@ class OpenAIServingCompletion:
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         model = check_model(request.model, self.served_model_names)
-        request_id = random_id("cmpl")
+        ids = RequestIds.of("cmpl", raw, request.request_id)
         self.limits.check_completion(request)
         with engine_errors():
             params = request.to_sampling_params(self.default_sampling)
             processed = [
                 await self.engine.process_inputs_async(
                     with_cache_salt(request, await self._engine_prompt(request, prompt)), params,
-                    f"{request_id}-{i}", request.priority,
+                    f"{ids.engine}-{i}", request.priority,
                 )
                 for i, prompt in enumerate(request.prompts())
             ]
         if not request.stream:
             return await cancel_on_disconnect(
-                raw, self._full(request, model, request_id, processed)
+                raw, self._full(request, model, ids.response, processed)
             )
         with engine_errors():
             streams = await submit_all(
                 self.engine, processed, RequestOutputKind.DELTA, request.timeout
             )
         return StreamingResponse(
-            self._stream(request, model, request_id, streams), media_type="text/event-stream"
+            self._stream(request, model, ids.response, streams), media_type="text/event-stream"
         )
 
     # -- helpers -------------------------------------------------------------------------------

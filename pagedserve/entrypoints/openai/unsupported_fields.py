@@ -60,7 +60,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": "",
     "kv_transfer_params": "",
     "vllm_xargs": "",
-    "request_id": "",
     "continuous_usage_stats": "",
 }
 """Field name -> why it is refused ("" when the name says enough)."""

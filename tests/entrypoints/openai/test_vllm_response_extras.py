@@ -1,6 +1,6 @@
 """vLLM's extra request fields on both APIs: ``prompt_logprobs``, ``return_token_ids``,
 ``truncate_prompt_tokens``, ``allowed_token_ids``, ``bad_words``, ``return_tokens_as_token_ids``,
-``cache_salt``, echo with ``max_tokens: 0``,
+``cache_salt``, ``request_id`` (and the X-Request-Id header), echo with ``max_tokens: 0``,
 ``stream_options.continuous_usage_stats`` and completions' ``add_special_tokens``, against a real
 server."""
 
@@ -330,3 +330,29 @@ def test_add_special_tokens_is_refused_on_chat(server: ServerProcess, model_name
     message = _refused(_post(server, "/v1/chat/completions", model=model_name, messages=MESSAGES,
                              add_special_tokens=True), "add_special_tokens")
     assert "chat template" in message
+
+
+def test_request_id_names_the_response_and_may_repeat(server: ServerProcess) -> None:
+    """vLLM's ``request_id`` field and X-Request-Id header give the response's id after its
+    prefix (the header wins); two requests with one id at once both run."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "request_id": "abc-1"}
+    assert _ok(server, "/v1/completions", **body)["id"] == "cmpl-abc-1"
+    chat = {"messages": MESSAGES, "max_tokens": 2, "request_id": "abc-2"}
+    assert _ok(server, "/v1/chat/completions", **chat)["id"] == "chatcmpl-abc-2"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat,
+                   headers={**AUTH, "X-Request-Id": "from-header"}, timeout=60)
+    assert r.json()["id"] == "chatcmpl-from-header"
+    assert _post(server, "/v1/completions", **{**body, "request_id": ""}).status_code == 400
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as http:
+            long = {**body, "max_tokens": 24, "stream": True, **GREEDY}
+            return await asyncio.gather(*(http.post("/v1/completions", json=long)
+                                          for _ in range(2)))
+
+    for response in asyncio.run(both()):
+        assert response.status_code == 200
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        assert {c["id"] for c in chunks} == {"cmpl-abc-1"}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
