@@ -134,6 +134,8 @@ class AsyncLLM:
         self._client: EngineCoreClient | None = None
         self._streams: dict[str, RequestStream] = {}
         self._stream_of_child: dict[str, RequestStream] = {}
+        self._searches: set[BeamSearchStream] = set()
+        """Beam searches in flight (between two rounds they have no stream in ``_streams``)."""
         """Engine-core request id (a child, for n > 1) -> its request's stream."""
         self._output_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -172,15 +174,20 @@ class AsyncLLM:
             self.state = EngineState.DRAINING
         deadline = time.monotonic() + timeout
         # Polled, up to the deadline: the output loop drops each stream as it finishes.
-        while self._streams and self.state is EngineState.DRAINING and time.monotonic() < deadline:
+        while (self._streams or self._searches) and self.state is EngineState.DRAINING and (
+            time.monotonic() < deadline
+        ):
             await asyncio.sleep(DRAIN_POLL_S)
-        cut = list(self._streams.values())
+        cut: list[RequestStream] = [*self._searches, *self._streams.values()]
         error = ServerShuttingDownError(
             f"the server is shutting down: the request did not finish within the shutdown "
             f"timeout ({timeout:g} s) and was aborted"
         )
         for stream in cut:
             stream.fail(error)
+            if isinstance(stream, BeamSearchStream):
+                stream.cancel()  # its running round is among the streams cut
+                continue
             with contextlib.suppress(EngineDeadError):  # a dead core holds no blocks
                 await self.abort(stream.request_id)
         if cut:
@@ -300,13 +307,29 @@ class AsyncLLM:
     ) -> RequestStream:
         """Send a processed request to the engine core; its outputs arrive on the stream.
         With ``timeout`` (seconds from arrival), the stream aborts the request and raises
-        ``RequestTimeoutError`` once it runs past it."""
+        ``RequestTimeoutError`` once it runs past it. A beam search's stream sends its rounds
+        itself (``BeamSearchStream``)."""
         self.check_ready()
-        assert self._client is not None
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout: must be positive, got {timeout}")
-        if processed.beam_search is not None:
-            return BeamSearchStream(self, processed, timeout)
+        if processed.beam_search is None:
+            return await self._submit(processed, output_kind, timeout)
+        search = BeamSearchStream(self, processed, timeout)
+        self._searches.add(search)
+        search.on_end(self._searches.discard)
+        return search
+
+    async def submit_expansion(self, processed: ProcessedRequest) -> RequestStream:
+        """One round of a running beam search: served while draining too, as the search's
+        next step rather than a new request."""
+        if self.state is not EngineState.DRAINING:
+            self.check_ready()
+        return await self._submit(processed, RequestOutputKind.FINAL_ONLY, None)
+
+    async def _submit(
+        self, processed: ProcessedRequest, output_kind: RequestOutputKind, timeout: float | None
+    ) -> RequestStream:
+        assert self._client is not None
         stream = RequestStream(self, processed, timeout)
         if not self._streams:
             self._last_progress = time.monotonic()  # an idle engine owed no step until now

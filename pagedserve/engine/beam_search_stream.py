@@ -10,6 +10,7 @@ round's expansions are closed, so the engine core aborts them and frees their bl
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pagedserve.beam_search import (
@@ -21,7 +22,7 @@ from pagedserve.beam_search import (
 )
 from pagedserve.engine.input_processor import ProcessedRequest
 from pagedserve.engine.request_stream import RequestStream
-from pagedserve.outputs import RequestOutput, RequestOutputKind
+from pagedserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from pagedserve.engine.async_llm import AsyncLLM
@@ -65,7 +66,7 @@ class BeamSearchStream(RequestStream):
             request_id, expansion_prompt(self.search, token_ids), self.processed.sampling_params,
             priority=self.search.priority,
         )
-        stream = await self.engine.submit(expansion, RequestOutputKind.FINAL_ONLY)
+        stream = await self.engine.submit_expansion(expansion)
         try:
             final = None
             async for output in stream:
@@ -75,7 +76,16 @@ class BeamSearchStream(RequestStream):
         finally:
             stream.close()
 
+    def on_end(self, callback: Callable[[BeamSearchStream], None]) -> None:
+        """Call ``callback(self)`` once the search ends, however it ends."""
+        self._task.add_done_callback(lambda _: callback(self))
+
+    def cancel(self) -> None:
+        """Stop the search; the running round's expansions are aborted. What the consumer
+        reads next (an error put on the stream) is left to the caller."""
+        self._task.cancel()
+
     def close(self) -> None:
         """Ends the search; the running round's expansions are aborted."""
         self.done = True
-        self._task.cancel()
+        self.cancel()

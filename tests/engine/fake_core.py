@@ -1,7 +1,8 @@
 """A model-free engine core for the engine-process and AsyncLLM tests.
 
 Each step gives every request one token, ``(last token + 1) % VOCAB_SIZE`` (so an output is
-predictable from its prompt), and finishes it at ``max_tokens``. A prompt holding
+predictable from its prompt), and finishes it at ``max_tokens``. With ``logprobs`` asked for,
+the top candidates are ``last + 1, last + 2, ...`` at log-probabilities ``-0.1, -1.1, ...``. A prompt holding
 ``CRASH_TOKEN`` makes the next step raise, to test how an engine failure reaches the API.
 It keeps the ``EngineCore`` interface the engine process relies on.
 """
@@ -12,7 +13,7 @@ import time
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.request import Request, RequestStatus
-from pagedserve.core.sched_output import EngineCoreOutput
+from pagedserve.core.sched_output import EngineCoreOutput, LogprobsLists
 from pagedserve.core.stats import SchedulerStats
 
 VOCAB_SIZE = 384
@@ -100,5 +101,17 @@ class FakeCore:
                 finish = "length"
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 del self.requests[request.request_id]
-            outputs.append(EngineCoreOutput(request.request_id, [token], finish_reason=finish))
+            outputs.append(EngineCoreOutput(request.request_id, [token], _logprobs(request, token),
+                                            finish_reason=finish))
         return outputs
+
+
+def _logprobs(request: Request, token: int) -> LogprobsLists | None:
+    """The sampled ``token`` (the most likely) first, then the top ``logprobs`` candidates."""
+    k = request.sampling_params.logprobs
+    if k is None:
+        return None
+    top = [(token + i) % VOCAB_SIZE for i in range(k)]
+    values = [-0.1 - i for i in range(k)]
+    return LogprobsLists([[token, *top]], [[-0.1, *values]], [1])
+

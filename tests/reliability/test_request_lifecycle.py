@@ -1,6 +1,6 @@
 """The ways a request ends early, in process and fast: ``AsyncLLM`` over a real engine process
-with the model-free core (a client timeout, a drain on shutdown), and the body-size limit of
-the HTTP app."""
+with the model-free core (a client timeout, a drain on shutdown, beam searches included), and
+the body-size limit of the HTTP app."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
+from pagedserve.beam_search import BeamSearchParams
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import (
     AsyncLLM,
@@ -106,6 +107,35 @@ def test_drain_finishes_short_requests_and_cuts_long_ones(tokenizer, tmp_path: P
         finally:
             await engine.shutdown()
         assert await engine.drain(timeout=5.0) == 0  # nothing in flight: returns at once
+
+    asyncio.run(run())
+
+
+def test_drain_lets_a_beam_search_finish_and_cuts_a_long_one(tokenizer, tmp_path: Path) -> None:
+    """A beam search's rounds go on while the server drains (they are not new requests);
+    one that outlives the shutdown timeout is cut like any request, its round aborted."""
+    async def run() -> None:
+        engine = await _started(tokenizer, tmp_path)
+        try:
+            beams = BeamSearchParams(beam_width=2, max_tokens=40)
+            short = await engine.submit(engine.process_inputs([5], beams))
+            long = await engine.submit(
+                engine.process_inputs([9], BeamSearchParams(beam_width=2, max_tokens=LONG)))
+            drain = asyncio.ensure_future(engine.drain(timeout=1.0))
+            (output,) = [o async for o in short]
+            assert engine.state is EngineState.DRAINING  # its 40 rounds ran while draining
+            # The fake core's best next token is always the last one + 1.
+            assert output.outputs[0].token_ids == list(range(6, 46))
+            assert [c.index for c in output.outputs] == [0, 1]
+            with pytest.raises(ServerShuttingDownError, match="shutdown timeout"):
+                async for _ in long:
+                    pass
+            # The long search, and its round's two expansions unless it was between rounds.
+            assert await drain in (1, 3)
+            await _until_idle(engine)
+            assert engine.num_in_flight == 0
+        finally:
+            await engine.shutdown()
 
     asyncio.run(run())
 
