@@ -47,12 +47,14 @@ class ChatRenderOptions:
     ``chat_template_kwargs``: extra template variables (Qwen3's ``enable_thinking``).
     ``tools``: function definitions in OpenAI's shape (``{"type": "function", "function":
     {...}}``), given to the template as transformers' ``apply_chat_template(tools=...)`` does.
+    ``chat_template``: Jinja text rendering this conversation instead of the engine's template.
     """
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
 
     @classmethod
     def of(
@@ -61,6 +63,7 @@ class ChatRenderOptions:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> ChatRenderOptions:
         """``add_generation_prompt`` None: True unless ``continue_final_message``; both True is
         refused (the reply cannot both continue the last turn and start a new one)."""
@@ -85,7 +88,9 @@ class ChatRenderOptions:
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
             raise ValueError("tools: expected a list of function definitions (dicts)")
-        return cls(generation_prompt, continue_final_message, dict(kwargs), tools)
+        if chat_template is not None:
+            check_template_syntax(chat_template)
+        return cls(generation_prompt, continue_final_message, dict(kwargs), tools, chat_template)
 
 
 def load_chat_template(value: str) -> str:
@@ -101,11 +106,17 @@ def load_chat_template(value: str) -> str:
         raise ValueError(
             f"chat_template: {value!r} is neither a readable file nor an inline Jinja template"
         )
+    check_template_syntax(text)
+    return text
+
+
+def check_template_syntax(text: str) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("chat_template: expected the text of a Jinja template")
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat_template: not a valid Jinja template: {e}") from None
-    return text
 
 
 def message_text(index: int, content: Any) -> str:

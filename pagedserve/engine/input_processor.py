@@ -230,7 +230,9 @@ class InputProcessor:
         options = ChatRenderOptions() if options is None else options
         messages = text_messages(messages)
         tokenizer = self._require_tokenizer("messages")
-        if self.chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        if options.chat_template is None and self.chat_template is None and getattr(
+            tokenizer, "chat_template", None
+        ) is None:
             raise ValueError("messages: the model's tokenizer has no chat template "
                              "(give one with --chat-template)")
         for i, message in enumerate(messages):
@@ -251,7 +253,7 @@ class InputProcessor:
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
-                chat_template=self.chat_template,
+                chat_template=options.chat_template or self.chat_template,
                 tokenize=False,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
@@ -259,6 +261,8 @@ class InputProcessor:
                 **options.chat_template_kwargs,
             )
         except jinja2.TemplateError as e:
+            if options.chat_template is not None:
+                raise ValueError(f"chat_template: rendering the messages failed: {e}") from None
             raise ValueError(f"messages: the model's chat template refused them: {e}") from None
         except ValueError as e:
             if options.continue_final_message:

@@ -200,6 +200,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         a list of conversations, rendered with the chat template (``chat_template`` or the
@@ -210,12 +211,14 @@ class LLM:
         (Qwen3's ``enable_thinking``). ``tools``: function definitions in OpenAI's shape,
         rendered by the template as the server renders a request's ``tools``; assistant
         messages may carry ``tool_calls`` and ``tool`` messages answer them. Reading calls
-        from the output is the server's job (``--tool-call-parser``)."""
+        from the output is the server's job (``--tool-call-parser``). ``chat_template``: Jinja
+        text used for these conversations instead of the engine's template."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
         options = ChatRenderOptions.of(
-            add_generation_prompt, continue_final_message, chat_template_kwargs, tools
+            add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+            chat_template,
         )
         conversations = as_conversations(messages)
         prompts = [

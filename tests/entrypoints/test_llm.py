@@ -182,3 +182,18 @@ def test_step_by_step_equals_generate(tiny):
     assert steps >= GREEDY.max_tokens
     assert all(finished[i].finished for i in ids)
     assert [finished[i].outputs[0].token_ids for i in ids] == want
+
+
+def test_chat_with_a_template_of_its_own(tiny):
+    """``chat_template``: the conversation is rendered by the given Jinja text instead of the
+    tokenizer's; a template that is not Jinja is refused by name."""
+    llm, tokenizer = tiny
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    messages = [{"role": "user", "content": "Hi"}]
+    (out,) = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)
+    ids = tokenizer.encode("<user>Hi<assistant>", add_special_tokens=False)
+    (ref,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(ValueError, match="^chat_template:"):
+        llm.chat(messages, GREEDY, use_tqdm=False, chat_template="{% if %}")

@@ -133,6 +133,12 @@ def _add_connection_args(group: argparse._ArgumentGroup) -> None:
         f"seconds between two chunks (default: {DEFAULT_BODY_TIMEOUT_S})",
     )
     group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let chat requests bring their own chat_template (Jinja text the server renders; "
+        "without this flag such a request is answered 400)",
+    )
+    group.add_argument(
         "--max-connections",
         type=_positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -348,6 +354,7 @@ def _serve(
         output_parsing=output_parsing,
         max_connections=args.max_connections,
         open_connections=open_connections,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     app = build_app(engine, metrics, settings)
     uv_config = uvicorn.Config(

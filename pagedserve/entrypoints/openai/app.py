@@ -82,6 +82,8 @@ class ServerSettings:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     open_connections: Callable[[], int] = field(default=lambda: 0)
     """How many connections the HTTP server holds open now."""
+    trust_request_chat_template: bool = False
+    """Whether a chat request may bring its own ``chat_template`` (Jinja it runs)."""
 
 
 _BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
@@ -192,7 +194,8 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     router = APIRouter()
     names = settings.served_model_names
     completions = OpenAIServingCompletion(engine, names, settings.limits)
-    chat = OpenAIServingChat(engine, names, settings.limits, settings.output_parsing)
+    chat = OpenAIServingChat(engine, names, settings.limits, settings.output_parsing,
+                             trust_request_chat_template=settings.trust_request_chat_template)
 
     @router.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

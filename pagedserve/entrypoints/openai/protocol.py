@@ -32,6 +32,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 64
 MAX_REQUEST_ID_CHARS = 512
+MAX_CHAT_TEMPLATE_CHARS = 65536
 
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
@@ -45,7 +46,7 @@ BEAM_SEARCH_FIELDS = frozenset({
     "use_beam_search", "length_penalty", "temperature", "stream", "stream_options", "user",
     "timeout", "priority", "cache_salt", "echo", "request_id", "add_special_tokens", "return_token_ids",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "include_reasoning",
+    "chat_template", "include_reasoning",
 })
 """The fields a beam search applies; any other set to a value but its default is a 400."""
 
@@ -421,6 +422,10 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         "turn; the generation prompt is then not added.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra chat template variables (Qwen3's enable_thinking).")
+    chat_template: str | None = Field(
+        None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="Jinja text rendering this request's messages instead of the model's "
+        "template; needs the server's --trust-request-chat-template.")
     include_reasoning: bool = Field(
         True, description="false: leave the --reasoning-parser's reasoning_content out.",
         json_schema_extra=_or_null)
@@ -434,7 +439,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         given = "add_generation_prompt" in self.model_fields_set
         return ChatRenderOptions.of(self.add_generation_prompt if given else None,
                                     self.continue_final_message, self.chat_template_kwargs,
-                                    self.template_tools())
+                                    self.template_tools(), self.chat_template)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """``tool_choice``'s constraint, or the one the request's structured-output fields

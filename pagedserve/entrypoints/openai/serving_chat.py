@@ -56,12 +56,15 @@ from pagedserve.outputs import CompletionOutput, RequestOutputKind
 class OpenAIServingChat:
     def __init__(
         self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits,
-        output_parsing: OutputParsing,
+        output_parsing: OutputParsing, *, trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits
         self.output_parsing = output_parsing
+        self.trust_request_chat_template = trust_request_chat_template
+        """``--trust-request-chat-template``: a request's own template renders its messages
+        (Jinja runs in transformers' sandbox, but a template can still loop for long)."""
         # The model's generation_config.json values, for the fields a request leaves unset.
         self.default_sampling = default_sampling_values(engine.config.model.generation_config,
                                                         engine.model_path)
@@ -75,6 +78,9 @@ class OpenAIServingChat:
         # The engine says max_tokens; the client may have sent max_completion_tokens.
         names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
         with engine_errors(names):
+            if request.chat_template is not None and not self.trust_request_chat_template:
+                raise ValueError("chat_template: this server renders only its own chat "
+                                 "template (start it with --trust-request-chat-template)")
             request.check_tool_choice()
             parser = self.output_parsing.choice_parser(request)
             params = request.to_sampling_params(self.default_sampling)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 _FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 _BEAM = "use_beam_search with n gives the n most likely completions"
-_TEMPLATE = "the chat template is the server's own (--chat-template)"
+_TEMPLATE = "documents are not passed to chat templates"
 _CHAT_ONLY = "a chat completions field"
 _MULTIMODAL = "the models served are text-only"
 
@@ -48,7 +48,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "spaces_between_special_tokens": "",
     "add_special_tokens": "a completions field; a chat template writes its own special tokens",
     "continue_final_message": _CHAT_ONLY,  # implemented on chat completions
-    "chat_template": _TEMPLATE,
+    "chat_template": _CHAT_ONLY,  # implemented on chat completions
     "chat_template_kwargs": _CHAT_ONLY,  # implemented on chat completions
     "documents": _TEMPLATE,
     "mm_processor_kwargs": _MULTIMODAL,

@@ -38,10 +38,12 @@ def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """One server shared by the test modules that do not break it (starting one costs seconds
-    of CPU); the API key is on, so every route's auth is exercised."""
+    of CPU); the API key is on, so every route's auth is exercised, and requests may bring
+    their own chat template."""
     log = tmp_path_factory.mktemp("server_log") / "server.log"
     with running_server(tiny_model_dir, log, "--api-key", API_KEY,
-                        "--max-connections", str(SHARED_SERVER_MAX_CONNECTIONS)) as proc:
+                        "--max-connections", str(SHARED_SERVER_MAX_CONNECTIONS),
+                        "--trust-request-chat-template") as proc:
         yield proc
 
 

@@ -157,3 +157,30 @@ def test_continue_final_message_and_chat_template_kwargs(
             assert next(iter(bad)) in str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_request_brings_its_own_chat_template(
+    client: openai.OpenAI, server: ServerProcess, model_name: str
+) -> None:
+    """The shared server runs with --trust-request-chat-template: the request's template
+    renders its messages (the same tokens as that text sent to completions); a template that
+    is not Jinja, or fails to render, is a 400 naming chat_template."""
+    response = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, temperature=0.0, max_completion_tokens=8,
+        extra_body={**NO_EOS, "chat_template": TEMPLATE})
+    text = "".join(f"<{m['role']}>{m['content']}\n" for m in MESSAGES) + "<assistant>"
+    completion = client.completions.create(
+        model=model_name, prompt=text, max_tokens=8, temperature=0.0,
+        extra_body={**NO_EOS, "add_special_tokens": False})
+    assert response.choices[0].message.content == completion.choices[0].text
+    assert response.usage.prompt_tokens == completion.usage.prompt_tokens
+    for bad in ("{% for %}", "{{ raise_exception('no') }}"):
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"messages": MESSAGES, "max_tokens": 1, "chat_template": bad})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template"

@@ -1,6 +1,7 @@
 """Start-up and exposure: a busy port fails at once (before the engine starts), a server open
 to the network without a key says so, Host names are checked, /metrics shows no file path,
-``--port 0`` names the chosen port, a generation_config.json gives the request defaults."""
+``--port 0`` names the chosen port, a generation_config.json gives the request defaults, a
+request's own chat template needs --trust-request-chat-template."""
 
 from __future__ import annotations
 
@@ -102,3 +103,10 @@ def test_generation_config_gives_the_defaults_of_unset_fields(port_zero_server: 
         assert first["usage"]["completion_tokens"] == 3
         assert first["choices"][0]["text"] == second["choices"][0]["text"]  # greedy
         assert complete(max_tokens=5)["usage"]["completion_tokens"] == 5
+
+
+def test_a_request_template_needs_the_trust_flag(port_zero_server: str):
+    r = httpx.post(f"{port_zero_server}/v1/chat/completions", headers=AUTH, timeout=30, json={
+        "messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 1 }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]

@@ -89,13 +89,13 @@ SERVER_CHECKED = {
                             "continue_final_message", "chat_template_kwargs", "tools",
                             "tool_choice", "parallel_tool_calls", "return_token_ids",
                             "return_tokens_as_token_ids", "cache_salt", "include_reasoning",
-                            "request_id"},
+                            "request_id", "chat_template"},
     CompletionRequest: {"model", "prompt", "stream", "stream_options", "user", "timeout",
                         "priority", "echo", "return_token_ids", "add_special_tokens",
                         "return_tokens_as_token_ids", "cache_salt", "request_id"},
 }
 """Declared fields that SamplingParams does not carry: each is exercised through the server
-below or, for the chat template's options, in test_chat.py, for the tool fields and
+below or, for the chat template's options and a request's own template, in test_chat.py, for the tool fields and
 include_reasoning, in test_tool_calls.py, for return_token_ids, add_special_tokens,
 return_tokens_as_token_ids, cache_salt and request_id, in test_vllm_response_extras.py (``user``, OpenAI's
 end-user id for its abuse monitoring, is accepted with no effect)."""
