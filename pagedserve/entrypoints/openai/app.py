@@ -46,9 +46,11 @@ from pagedserve.entrypoints.openai.responses import (
     ModelList,
     TokenizeResponse,
 )
+from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import check_model, engine_errors
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.web import add_web_routes
 
 logger = logging.getLogger(__name__)
@@ -196,6 +198,7 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     completions = OpenAIServingCompletion(engine, names, settings.limits)
     chat = OpenAIServingChat(engine, names, settings.limits, settings.output_parsing,
                              trust_request_chat_template=settings.trust_request_chat_template)
+    responses = OpenAIServingResponses(chat)
 
     @router.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -222,6 +225,10 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     )
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(request, raw)
+
+    @router.post("/v1/responses", responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create_response(request, raw)
 
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -40,6 +40,15 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "prompt_cache_options": "prefix caching is automatic",
     "prompt_cache_retention": "prefix caching is automatic",
     "include_obfuscation": "",
+    # OpenAI responses.
+    "previous_response_id": "responses are not stored",
+    "conversation": "responses are not stored",
+    "background": "",
+    "include": "",
+    "reasoning": "reasoning is the --reasoning-parser's",
+    "max_tool_calls": "",
+    "truncation": "",
+    "top_logprobs": "",
     # OpenAI (legacy) completions.
     "best_of": _BEAM,
     "suffix": "",
