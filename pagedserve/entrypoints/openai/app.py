@@ -22,7 +22,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM, EngineState
-from pagedserve.engine.chat_messages import ChatRenderOptions
 from pagedserve.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit
 from pagedserve.entrypoints.openai.chat_output import OutputParsing
 from pagedserve.entrypoints.openai.connection_cap import DEFAULT_MAX_CONNECTIONS, ConnectionCap
@@ -47,7 +46,7 @@ from pagedserve.entrypoints.openai.responses import (
     TokenizeResponse,
 )
 from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
-from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_chat import REQUEST_TEMPLATE_REFUSED, OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import check_model, engine_errors
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -234,7 +233,7 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         check_model(request.model, names)
         with engine_errors():
-            tokens = await _tokenize(engine, request)
+            tokens = await _tokenize(engine, request, settings.trust_request_chat_template)
         strs = engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strs
@@ -258,13 +257,15 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     return router
 
 
-async def _tokenize(engine: AsyncLLM, request: TokenizeRequest) -> list[int]:
+async def _tokenize(engine: AsyncLLM, request: TokenizeRequest,
+                    trust_request_chat_template: bool) -> list[int]:
     engine.check_ready()
     if (request.prompt is None) == (request.messages is None):
         raise ValueError("prompt: give exactly one of prompt and messages")
     if request.prompt is not None:
         return await engine.encode_async("prompt", request.prompt, request.add_special_tokens)
+    if request.chat_template is not None and not trust_request_chat_template:
+        raise ValueError(REQUEST_TEMPLATE_REFUSED)
     messages = [m.chat_dict() for m in request.messages or []]
-    rendered = await engine.render_chat_async(
-        messages, ChatRenderOptions(request.add_generation_prompt))
+    rendered = await engine.render_chat_async(messages, request.chat_options())
     return rendered["prompt_token_ids"]

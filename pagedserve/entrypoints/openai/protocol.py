@@ -18,7 +18,7 @@ from pagedserve.engine.chat_messages import ChatRenderOptions
 from pagedserve.engine.input_processor import check_unicode
 from pagedserve.entrypoints.openai.openapi_schema import TOKEN_ID_DESCRIPTION
 from pagedserve.entrypoints.openai.structured_outputs import StructuredOutputFields
-from pagedserve.entrypoints.openai.tools_protocol import MessageToolCall, ToolFields
+from pagedserve.entrypoints.openai.tools_protocol import ChatTool, MessageToolCall, ToolFields
 from pagedserve.entrypoints.openai.unsupported_fields import RequestBody
 from pagedserve.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -486,6 +486,19 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # As chat completions render messages (vLLM's TokenizeChatRequest).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    tools: list[ChatTool] | None = Field(None, max_length=128)
+
+    def chat_options(self) -> ChatRenderOptions:
+        """The rendering of ``messages``, as a chat request with these fields renders it."""
+        given = "add_generation_prompt" in self.model_fields_set
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return ChatRenderOptions.of(self.add_generation_prompt if given else None,
+                                    self.continue_final_message, self.chat_template_kwargs,
+                                    tools, self.chat_template)
 
 
 class DetokenizeRequest(RequestBody):

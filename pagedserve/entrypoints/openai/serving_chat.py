@@ -52,6 +52,9 @@ from pagedserve.entrypoints.openai.serving_common import (
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutputKind
 
+REQUEST_TEMPLATE_REFUSED = ("chat_template: this server renders only its own chat template "
+                            "(start it with --trust-request-chat-template)")
+
 
 class OpenAIServingChat:
     def __init__(
@@ -79,8 +82,7 @@ class OpenAIServingChat:
         names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
         with engine_errors(names):
             if request.chat_template is not None and not self.trust_request_chat_template:
-                raise ValueError("chat_template: this server renders only its own chat "
-                                 "template (start it with --trust-request-chat-template)")
+                raise ValueError(REQUEST_TEMPLATE_REFUSED)
             request.check_tool_choice()
             parser = self.output_parsing.choice_parser(request)
             params = request.to_sampling_params(self.default_sampling)

@@ -184,3 +184,23 @@ def test_a_request_brings_its_own_chat_template(
                        json={"messages": MESSAGES, "max_tokens": 1, "chat_template": bad})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "chat_template"
+
+
+def test_tokenize_renders_messages_as_chat_does(
+    client: openai.OpenAI, server: ServerProcess, model_name: str
+) -> None:
+    """/tokenize takes the chat fields that change the rendering (tools, chat_template,
+    chat_template_kwargs, continue_final_message): its count is the chat's prompt_tokens."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [{"tools": [tool], "tool_choice": "none"}, {"chat_template": TEMPLATE},
+             {"continue_final_message": True, "add_generation_prompt": False}]
+    messages = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    for fields in cases:
+        chat = client.chat.completions.create(model=model_name, messages=messages,
+                                              max_completion_tokens=1, extra_body=fields)
+        tokenize_fields = {k: v for k, v in fields.items() if k != "tool_choice"}
+        r = httpx.post(f"{server.url}/tokenize", timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"messages": messages, **tokenize_fields})
+        assert r.status_code == 200, r.text
+        assert r.json()["count"] == chat.usage.prompt_tokens, fields

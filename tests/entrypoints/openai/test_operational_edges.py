@@ -110,3 +110,6 @@ def test_a_request_template_needs_the_trust_flag(port_zero_server: str):
         "messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 1 }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    r = httpx.post(f"{port_zero_server}/tokenize", headers=AUTH, timeout=30, json={
+        "messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 1 }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text

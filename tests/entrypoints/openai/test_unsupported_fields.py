@@ -178,7 +178,7 @@ def test_nested_objects_and_messages_refuse_their_unknown_fields(server: ServerP
             "type": "json_schema", "json_schema": {"name": "n", "schema": {}, "x": 1}}},
          "response_format.json_schema.x"),
         ("/tokenize", {"prompt": "hi", "add_special": False}, "add_special"),
-        ("/tokenize", {"messages": MESSAGES, "tools": []}, "tools"),
+        ("/tokenize", {"messages": MESSAGES, "documents": []}, "documents"),
         ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens"),
     ]
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
