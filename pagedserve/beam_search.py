@@ -4,8 +4,8 @@ There is no beam search in the engine core. Each round expands every live beam b
 the beam (prompt + its tokens so far) goes to the engine as a request of one greedy token with
 the top ``2 x beam_width`` log-probabilities, and of all the one-token extensions the
 ``beam_width`` best stay live. An extension ending in an EOS token is complete and leaves the
-live set. The prefix cache holds each beam's full blocks, so a round recomputes at most the
-last partial block of each beam. The search ends when no beam is live or after ``max_tokens``
+live set. The prefix cache (on by default) holds each beam's full blocks, so a round
+recomputes at most the last partial block of each beam. The search ends when no beam is live or after ``max_tokens``
 rounds; the ``beam_width`` best of the complete and live beams are the result, best first.
 
 A beam's score is its summed log-probability over its length (its tokens, a final EOS not
@@ -137,10 +137,13 @@ class BeamSearch:
                 else:
                     extended.append(child)
         self.rounds += 1
-        self.live = self._ranked(extended)[: self.params.beam_width]
+        width = self.params.beam_width
+        self.live = self._ranked(extended)[:width]
         if self.rounds >= self.max_tokens:
             self.complete.extend(self.live)
             self.live = []
+        # A complete beam's score is final: only the best ``width`` can be in the result.
+        self.complete = self._ranked(self.complete)[:width]
 
     def best(self) -> list[Beam]:
         """The ``beam_width`` best beams, complete and live, best first."""

@@ -105,3 +105,14 @@ def test_outputs_leave_eos_out_of_the_text_and_say_why_they_stopped():
 def test_params_are_checked_by_name(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         BeamSearchParams(**kwargs)
+
+
+def test_only_the_width_best_complete_beams_are_kept():
+    """A complete beam's score never changes, so the worse ones are dropped each round (a long
+    search would otherwise hold every EOS candidate of every round)."""
+    search = _search(width=1, max_tokens=20, eos=frozenset({EOS, 8}))
+    for _ in range(5):
+        search.advance([{3: _lp(0.5), EOS: _lp(0.3), 8: _lp(0.2)}])
+        assert len(search.complete) == 1
+    # By the mean per token (EOS not counted): (4 log 0.5 + log 0.3) / 4 beats log 0.3.
+    assert search.complete[0].tokens == [3, 3, 3, 3, EOS]
