@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.structured_output.grammar import ANY_WHITESPACE
+from pagedserve.structured_output.grammar import ANY_WHITESPACE, structural_tag_spec
 from pagedserve.structured_output.params import StructuredOutputsParams
 
 _CACHE_ENTRIES = 512
@@ -73,6 +73,8 @@ class GrammarCompilerPool:
             compiled = compiler.compile_json_schema(source, any_whitespace=ANY_WHITESPACE)
         elif kind == "regex":
             compiled = compiler.compile_regex(source)
+        elif kind == "structural_tag":
+            compiled = compiler.compile_structural_tag(structural_tag_spec(source))
         else:  # choice (as EBNF) and grammar
             compiled = compiler.compile_grammar(source)
         with self._lock:

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 """The kinds of constraint, in ``StructuredOutputsParams`` field order."""
 ANY_WHITESPACE = False
 """JSON is generated with xgrammar's standard separators only (``", "`` and ``": "``): a
@@ -64,9 +64,50 @@ def schema_text(schema: Any) -> str:
     return json.dumps(_compilable(schema), ensure_ascii=False)
 
 
+def structural_tag_text(spec: Any) -> str:
+    """A structural tag (vLLM's and xgrammar's: ``{"structures": [{"begin", "schema", "end"},
+    ...], "triggers": [...]}``) as canonical JSON text; ValueError for another shape. Free
+    text is generated until a trigger; a structure that begins with it follows its schema up
+    to its end."""
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    if not isinstance(spec, dict) or set(spec) != {"structures", "triggers"}:
+        raise ValueError("expected an object with exactly structures and triggers")
+    structures, triggers = spec["structures"], spec["triggers"]
+    if not isinstance(triggers, list) or not triggers or not all(
+            isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers: expected a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures: expected a non-empty list")
+    for i, item in enumerate(structures):
+        if not (isinstance(item, dict) and set(item) == {"begin", "schema", "end"}
+                and isinstance(item["begin"], str) and isinstance(item["end"], str)
+                and isinstance(item["schema"], dict)):
+            raise ValueError(f"structures[{i}]: expected {{begin, schema, end}} with string "
+                             "begin and end and a JSON schema object")
+    canonical = [{"begin": it["begin"], "schema": _compilable(it["schema"]), "end": it["end"]}
+                 for it in structures]
+    return json.dumps({"structures": canonical, "triggers": triggers}, ensure_ascii=False)
+
+
+def structural_tag_spec(source: str) -> str:
+    """xgrammar's structural-tag JSON of a ``structural_tag_text``: triggered tags whose JSON
+    content allows at most one whitespace character in a row (as ``ANY_WHITESPACE`` keeps the
+    plain JSON kinds from letting a model pad forever)."""
+    spec = json.loads(source)
+    tags = [{"type": "tag", "begin": it["begin"], "end": it["end"],
+             "content": {"type": "json_schema", "json_schema": it["schema"],
+                         "max_whitespace_cnt": 1}}
+            for it in spec["structures"]]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}})
+
+
 def source_text(kind: str, spec: Any) -> str:
-    """What the compiler compiles for ``kind``: schema text (``json``, ``json_object``), regex
-    or EBNF (choices become EBNF)."""
+    """What the compiler compiles for ``kind``: schema text (``json``, ``json_object``), regex,
+    EBNF (choices become EBNF) or a structural tag's JSON."""
+    if kind == "structural_tag":
+        return structural_tag_text(spec)
     if kind == "json":
         return schema_text(spec)
     if kind == "json_object":
@@ -88,6 +129,8 @@ def parse_grammar(kind: str, source: str) -> Any:
             return xgr.Grammar.from_regex(source)
         if kind in ("choice", "grammar"):
             return xgr.Grammar.from_ebnf(source)
+        if kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(structural_tag_spec(source))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(_message(exc)) from None
     raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -1,8 +1,10 @@
 """``StructuredOutputsParams``: the constraint a request's output must obey (vLLM's names).
 
 Exactly one of ``json`` (a JSON schema, as a dict or JSON text), ``regex``, ``choice`` (a list
-of strings), ``grammar`` (EBNF, xgrammar's dialect) or ``json_object=True`` (any JSON object)
-is set. The spec is parsed when the object is built, so a bad schema, regex or grammar raises
+of strings), ``grammar`` (EBNF, xgrammar's dialect), ``json_object=True`` (any JSON object) or
+``structural_tag`` (free text in which each trigger starts a structure that follows its JSON
+schema: ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``, a dict or JSON
+text) is set. The spec is parsed when the object is built, so a bad schema, regex or grammar raises
 ``ValueError`` naming the field before the request reaches the engine.
 """
 
@@ -24,6 +26,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
     kind: str = field(init=False, default="")
     """Which field is set (one of ``KINDS``)."""
     source: str = field(init=False, default="")
@@ -39,7 +42,10 @@ class StructuredOutputsParams:
             )
         self.kind = given[0]
         self._check_type()
-        self.source = source_text(self.kind, getattr(self, self.kind))
+        try:
+            self.source = source_text(self.kind, getattr(self, self.kind))
+        except ValueError as exc:  # a structural tag of the wrong shape
+            raise ValueError(f"structured_outputs.{self.kind}: {exc}") from None
         try:
             parse_grammar(self.kind, self.source)
         except ValueError as exc:
@@ -64,6 +70,14 @@ class StructuredOutputsParams:
             if len(value) > _MAX_CHOICES:
                 raise ValueError(f"{name}: at most {_MAX_CHOICES} choices, got {len(value)}")
             self.choice = list(value)
+        elif kind == "structural_tag":
+            if isinstance(value, str):
+                try:
+                    json_module.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: not valid JSON ({exc})") from None
+            elif not isinstance(value, dict):
+                raise ValueError(f"{name}: expected an object or its JSON text")
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"{name}: expected true, got {value!r}")

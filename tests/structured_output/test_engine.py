@@ -224,3 +224,30 @@ def test_tensor_parallel_masks_every_rank_alike(tiny_llama, llm):
         assert outputs["tp2"] == outputs["tp1"]
     finally:
         tp2.engine_core.shutdown()
+
+
+TAG = {"structures": [{"begin": "<f=w>", "end": "</f>", "schema": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}], "triggers": ["<"]}
+"""Free text until ``<``; then ``<f=w>``, an object of that schema, ``</f>``."""
+TAG_RE = re.compile(r'<f=w>\{\s?"city"\s?:\s?"(Paris|Rome)"\s?\}</f>')
+"""At most one whitespace character in a row inside a structure's JSON."""
+
+
+def test_structural_tag_constrains_what_follows_a_trigger(llm, tiny_llama):
+    """The trigger ``<`` is pushed up by logit_bias, so the random model writes it at once;
+    from there the structure is forced (the mask wins over the bias)."""
+    _, _, tokenizer = tiny_llama
+    bias = dict.fromkeys(tokenizer.encode("<"), 100.0)
+    params = _params(StructuredOutputsParams(structural_tag=json.dumps(TAG)), temperature=0.0,
+                     max_tokens=40, logit_bias=bias)
+    (output,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    text = output.outputs[0].text
+    assert TAG_RE.match(text), text
+    # Every trigger (a "<" not of an end) opens a whole structure; the last may be cut short.
+    for start in (m.start() for m in re.finditer("<(?!/f>)", text)):
+        rest = text[start:]
+        assert TAG_RE.match(rest) or len(rest) < 30, text
+    unconstrained = llm.generate(PROMPTS[0], _params(None, temperature=0.0, max_tokens=40,
+                                                     logit_bias=bias), use_tqdm=False)
+    assert not TAG_RE.search(unconstrained[0].outputs[0].text)

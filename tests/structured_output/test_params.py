@@ -22,6 +22,8 @@ def test_importable_as_in_vllm():
         ({"choice": ["yes", "no"]}, "choice"),
         ({"grammar": 'root ::= "a" root | "b"'}, "grammar"),
         ({"json_object": True}, "json_object"),
+        ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
+                             "triggers": ["<a"]}}, "structural_tag"),
     ],
 )
 def test_each_kind_is_accepted(kwargs, kind):
@@ -44,6 +46,12 @@ def test_each_kind_is_accepted(kwargs, kind):
         ({"choice": []}, "structured_outputs.choice: expected a non-empty list"),
         ({"choice": ["a", 3]}, "structured_outputs.choice: expected a non-empty list"),
         ({"json_object": "yes"}, "structured_outputs.json_object: expected true"),
+        ({"structural_tag": "{"}, "structured_outputs.structural_tag: not valid JSON"),
+        ({"structural_tag": {"structures": [], "triggers": ["<"]}},
+         "structured_outputs.structural_tag: structures: expected a non-empty list"),
+        ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {}, "end": ""}],
+                             "triggers": ["<b"]}},
+         "structured_outputs.structural_tag: .*does not match any trigger"),
     ],
 )
 def test_bad_specs_are_refused_naming_the_field(kwargs, message):

@@ -40,9 +40,21 @@ class JsonSchemaFormat(RequestBody):
         None, description="Accepted; the schema is always enforced (xgrammar's strict mode).")
 
 
+class TagStructure(RequestBody):
+    model_config = ConfigDict(populate_by_name=True)
+
+    begin: str
+    json_schema: dict[str, Any] = Field(..., alias="schema")
+    end: str
+
+
 class ResponseFormat(RequestBody):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[TagStructure] | None = Field(
+        None, description="structural_tag: after a trigger, the structure that begins with it "
+        "follows its schema up to its end.")
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsObject(RequestBody):
@@ -53,6 +65,7 @@ class StructuredOutputsObject(RequestBody):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class StructuredOutputFields(RequestBody):
@@ -92,6 +105,13 @@ class StructuredOutputFields(RequestBody):
                                  "'json_schema'")
             given.append(("response_format.json_schema.schema",
                           {"json": fmt.json_schema.json_schema}))
+        elif fmt is not None and fmt.type == "structural_tag":
+            if fmt.structures is None or fmt.triggers is None:
+                raise ValueError("response_format: a structural_tag needs structures and "
+                                 "triggers")
+            tag = {"structures": [t.model_dump(by_alias=True) for t in fmt.structures],
+                   "triggers": fmt.triggers}
+            given.append(("response_format", {"structural_tag": tag}))
         if self.structured_outputs is not None:
             kwargs = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
             given.append(("structured_outputs", kwargs))

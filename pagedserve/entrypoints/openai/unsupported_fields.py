@@ -65,7 +65,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "prompt_embeds": "",
     "guided_decoding_backend": "the backend is xgrammar",
     "guided_whitespace_pattern": "",
-    "structural_tag": "",
+    "structural_tag": "use response_format {type: structural_tag} or "
+                      "structured_outputs.structural_tag",
     "logits_processors": "",
     "kv_transfer_params": "",
     "vllm_xargs": "",

@@ -95,6 +95,10 @@ def test_completions_fields_and_aliases(
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {}}, "structured_outputs"),
         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<"]}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<b"], "structures": [
+            {"begin": "<a>", "schema": {}, "end": "</a>"}]}}, "response_format"),
+        ({"structured_outputs": {"structural_tag": "{"}}, "structured_outputs.structural_tag"),
     ],
 )
 def test_bad_specs_are_a_400_naming_the_field(
@@ -105,6 +109,22 @@ def test_bad_specs_are_a_400_naming_the_field(
                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_structural_tag_response_format(client: openai.OpenAI, model_name: str) -> None:
+    """vLLM's ``response_format: {"type": "structural_tag"}``: free text, and after the trigger
+    (``<``, pushed up by logit_bias so that the random model writes it) the structure: its
+    begin, an object of its schema, its end."""
+    tag = {"type": "structural_tag", "triggers": ["<"], "structures": [
+        {"begin": "<f=w>", "end": "</f>", "schema": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}}]}
+    bias = {"30": 100}  # "<" in the tiny byte-level vocabulary
+    response = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, temperature=0.0, max_completion_tokens=40,
+        logit_bias=bias, extra_body={"response_format": tag})
+    text = response.choices[0].message.content
+    assert re.search(r'<f=w>\{\s?"city"\s?:\s?"(Paris|Rome)"\s?\}</f>', text), text
 
 
 def test_grammar_metrics(client: openai.OpenAI, server: ServerProcess, model_name: str) -> None:
