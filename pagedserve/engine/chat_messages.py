@@ -48,6 +48,8 @@ class ChatRenderOptions:
     ``tools``: function definitions in OpenAI's shape (``{"type": "function", "function":
     {...}}``), given to the template as transformers' ``apply_chat_template(tools=...)`` does.
     ``chat_template``: Jinja text rendering this conversation instead of the engine's template.
+    ``documents``: retrieved texts (``{"title": ..., "text": ...}``) for templates that render
+    them (RAG), given as transformers' ``apply_chat_template(documents=...)`` does.
     """
 
     add_generation_prompt: bool = True
@@ -55,6 +57,7 @@ class ChatRenderOptions:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
 
     @classmethod
     def of(
@@ -64,6 +67,7 @@ class ChatRenderOptions:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> ChatRenderOptions:
         """``add_generation_prompt`` None: True unless ``continue_final_message``; both True is
         refused (the reply cannot both continue the last turn and start a new one)."""
@@ -90,7 +94,13 @@ class ChatRenderOptions:
             raise ValueError("tools: expected a list of function definitions (dicts)")
         if chat_template is not None:
             check_template_syntax(chat_template)
-        return cls(generation_prompt, continue_final_message, dict(kwargs), tools, chat_template)
+        if documents is not None and not (isinstance(documents, list) and all(
+                isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                for d in documents)):
+            raise ValueError("documents: expected a list of dicts of strings "
+                             "({'title': ..., 'text': ...})")
+        return cls(generation_prompt, continue_final_message, dict(kwargs), tools, chat_template,
+                   documents)
 
 
 def load_chat_template(value: str) -> str:

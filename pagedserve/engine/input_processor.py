@@ -258,6 +258,7 @@ class InputProcessor:
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 tools=options.tools,
+                documents=options.documents,
                 **options.chat_template_kwargs,
             )
         except jinja2.TemplateError as e:

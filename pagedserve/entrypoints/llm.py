@@ -201,6 +201,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         a list of conversations, rendered with the chat template (``chat_template`` or the
@@ -212,13 +213,14 @@ class LLM:
         rendered by the template as the server renders a request's ``tools``; assistant
         messages may carry ``tool_calls`` and ``tool`` messages answer them. Reading calls
         from the output is the server's job (``--tool-call-parser``). ``chat_template``: Jinja
-        text used for these conversations instead of the engine's template."""
+        text used for these conversations instead of the engine's template. ``documents``:
+        retrieved texts ({"title", "text"}) for templates that render them."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
         options = ChatRenderOptions.of(
             add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
-            chat_template,
+            chat_template, documents,
         )
         conversations = as_conversations(messages)
         prompts = [

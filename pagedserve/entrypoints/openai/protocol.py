@@ -33,6 +33,7 @@ MAX_LOGPROBS = 20
 MAX_STOP = 64
 MAX_REQUEST_ID_CHARS = 512
 MAX_CHAT_TEMPLATE_CHARS = 65536
+MAX_DOCUMENTS = 256
 
 NULL_MEANS_DEFAULT = frozenset({
     "n", "stream", "echo", "min_tokens", "ignore_eos", "include_stop_str_in_output",
@@ -46,7 +47,7 @@ BEAM_SEARCH_FIELDS = frozenset({
     "use_beam_search", "length_penalty", "temperature", "stream", "stream_options", "user",
     "timeout", "priority", "cache_salt", "echo", "request_id", "add_special_tokens", "return_token_ids",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "chat_template", "include_reasoning",
+    "chat_template", "documents", "include_reasoning",
 })
 """The fields a beam search applies; any other set to a value but its default is a 400."""
 
@@ -426,6 +427,9 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS,
         description="Jinja text rendering this request's messages instead of the model's "
         "template; needs the server's --trust-request-chat-template.")
+    documents: list[dict[str, str]] | None = Field(
+        None, max_length=MAX_DOCUMENTS, description="Retrieved texts ({title, text}) for chat "
+        "templates that render documents (RAG); others ignore them.")
     include_reasoning: bool = Field(
         True, description="false: leave the --reasoning-parser's reasoning_content out.",
         json_schema_extra=_or_null)
@@ -439,7 +443,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
         given = "add_generation_prompt" in self.model_fields_set
         return ChatRenderOptions.of(self.add_generation_prompt if given else None,
                                     self.continue_final_message, self.chat_template_kwargs,
-                                    self.template_tools(), self.chat_template)
+                                    self.template_tools(), self.chat_template, self.documents)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """``tool_choice``'s constraint, or the one the request's structured-output fields
@@ -491,6 +495,7 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
     tools: list[ChatTool] | None = Field(None, max_length=128)
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
 
     def chat_options(self) -> ChatRenderOptions:
         """The rendering of ``messages``, as a chat request with these fields renders it."""
@@ -498,7 +503,7 @@ class TokenizeRequest(RequestBody):
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         return ChatRenderOptions.of(self.add_generation_prompt if given else None,
                                     self.continue_final_message, self.chat_template_kwargs,
-                                    tools, self.chat_template)
+                                    tools, self.chat_template, self.documents)
 
 
 class DetokenizeRequest(RequestBody):

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict
 
 _FUNCTIONS = "deprecated by OpenAI: use tools and tool_choice"
 _BEAM = "use_beam_search with n gives the n most likely completions"
-_TEMPLATE = "documents are not passed to chat templates"
 _CHAT_ONLY = "a chat completions field"
 _MULTIMODAL = "the models served are text-only"
 
@@ -59,7 +58,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "continue_final_message": _CHAT_ONLY,  # implemented on chat completions
     "chat_template": _CHAT_ONLY,  # implemented on chat completions
     "chat_template_kwargs": _CHAT_ONLY,  # implemented on chat completions
-    "documents": _TEMPLATE,
+    "documents": _CHAT_ONLY,  # implemented on chat completions
     "mm_processor_kwargs": _MULTIMODAL,
     "media_io_kwargs": _MULTIMODAL,
     "prompt_embeds": "",

@@ -204,3 +204,31 @@ def test_tokenize_renders_messages_as_chat_does(
                        json={"messages": messages, **tokenize_fields})
         assert r.status_code == 200, r.text
         assert r.json()["count"] == chat.usage.prompt_tokens, fields
+
+
+DOCS_TEMPLATE = ("{% for d in documents %}[{{ d['title'] }}] {{ d['text'] }}\n{% endfor %}"
+                 + TEMPLATE)
+
+
+def test_documents_reach_the_template(
+    client: openai.OpenAI, server: ServerProcess, model_name: str
+) -> None:
+    """vLLM's ``documents`` (RAG): given to the template as transformers gives them; the
+    prompt is the template's text with them, on chat completions and /tokenize alike."""
+    documents = [{"title": "Paris", "text": "The capital of France."}]
+    fields = {"chat_template": DOCS_TEMPLATE, "documents": documents}
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES,
+                                          max_completion_tokens=1, extra_body=fields)
+    text = "[Paris] The capital of France.\n" + "".join(
+        f"<{m['role']}>{m['content']}\n" for m in MESSAGES) + "<assistant>"
+    completion = client.completions.create(model=model_name, prompt=text, max_tokens=1,
+                                           extra_body={"add_special_tokens": False})
+    assert chat.usage.prompt_tokens == completion.usage.prompt_tokens
+    r = httpx.post(f"{server.url}/tokenize", timeout=30,
+                   headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"messages": MESSAGES, **fields})
+    assert r.json()["count"] == completion.usage.prompt_tokens
+    bad = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                     headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"messages": MESSAGES, "documents": [{"title": 3}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("documents")

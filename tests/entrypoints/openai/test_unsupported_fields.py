@@ -89,7 +89,7 @@ SERVER_CHECKED = {
                             "continue_final_message", "chat_template_kwargs", "tools",
                             "tool_choice", "parallel_tool_calls", "return_token_ids",
                             "return_tokens_as_token_ids", "cache_salt", "include_reasoning",
-                            "request_id", "chat_template"},
+                            "request_id", "chat_template", "documents"},
     CompletionRequest: {"model", "prompt", "stream", "stream_options", "user", "timeout",
                         "priority", "echo", "return_token_ids", "add_special_tokens",
                         "return_tokens_as_token_ids", "cache_salt", "request_id"},
@@ -178,7 +178,7 @@ def test_nested_objects_and_messages_refuse_their_unknown_fields(server: ServerP
             "type": "json_schema", "json_schema": {"name": "n", "schema": {}, "x": 1}}},
          "response_format.json_schema.x"),
         ("/tokenize", {"prompt": "hi", "add_special": False}, "add_special"),
-        ("/tokenize", {"messages": MESSAGES, "documents": []}, "documents"),
+        ("/tokenize", {"messages": MESSAGES, "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
         ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens"),
     ]
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
