@@ -5,8 +5,9 @@ the beam (prompt + its tokens so far) goes to the engine as a request of one gre
 the top ``2 x beam_width`` log-probabilities, and of all the one-token extensions the
 ``beam_width`` best stay live. An extension ending in an EOS token is complete and leaves the
 live set. The prefix cache (on by default) holds each beam's full blocks, so a round
-recomputes at most the last partial block of each beam. The search ends when no beam is live or after ``max_tokens``
-rounds; the ``beam_width`` best of the complete and live beams are the result, best first.
+recomputes at most the last partial block of each beam. The search ends when no beam is live
+or after ``max_tokens`` rounds; the ``beam_width`` best of the complete and live beams are the
+result, best first.
 
 A beam's score is its summed log-probability over its length (its tokens, a final EOS not
 counted) to the power ``length_penalty``: 1.0 (the default) ranks by the mean log-probability
@@ -194,7 +195,7 @@ def search_sequences(search: BeamSearch, primary_eos_id: int | None,
     completions = search_output("", None, search, primary_eos_id, decode).outputs
     return BeamSearchOutput([
         BeamSearchSequence(search.prompt_token_ids + c.token_ids, c.cumulative_logprob or 0.0,
-                           c.text, c.finish_reason or "length", c.stop_reason)  # type: ignore[arg-type]
+                           c.text, str(c.finish_reason), c.stop_reason)
         for c in completions
     ])
 
@@ -207,7 +208,7 @@ class BeamSearchSequence:
     cum_logprob: float
     text: str
     finish_reason: str
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass

@@ -134,9 +134,9 @@ class AsyncLLM:
         self._client: EngineCoreClient | None = None
         self._streams: dict[str, RequestStream] = {}
         self._stream_of_child: dict[str, RequestStream] = {}
+        """Engine-core request id (a child, for n > 1) -> its request's stream."""
         self._searches: set[BeamSearchStream] = set()
         """Beam searches in flight (between two rounds they have no stream in ``_streams``)."""
-        """Engine-core request id (a child, for n > 1) -> its request's stream."""
         self._output_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -264,7 +264,8 @@ class AsyncLLM:
         return await self._in_tokenizer_thread(processor.encode, field, text, add_special_tokens)
 
     def process_inputs(
-        self, prompt: PromptType, params: SamplingParams | BeamSearchParams, request_id: str | None = None
+        self, prompt: PromptType, params: SamplingParams | BeamSearchParams,
+        request_id: str | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize a request (nothing is sent yet). Raises ``ValueError`` naming
         the field, ``EngineOverloadedError`` beyond ``max_waiting_requests``, and

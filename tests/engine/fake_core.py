@@ -2,8 +2,9 @@
 
 Each step gives every request one token, ``(last token + 1) % VOCAB_SIZE`` (so an output is
 predictable from its prompt), and finishes it at ``max_tokens``. With ``logprobs`` asked for,
-the top candidates are ``last + 1, last + 2, ...`` at log-probabilities ``-0.1, -1.1, ...``. A prompt holding
-``CRASH_TOKEN`` makes the next step raise, to test how an engine failure reaches the API.
+the top candidates are ``last + 1, last + 2, ...`` at log-probabilities ``-0.1, -1.1, ...``.
+A prompt holding ``CRASH_TOKEN`` makes the next step raise, to test how an engine failure
+reaches the API.
 It keeps the ``EngineCore`` interface the engine process relies on.
 """
 

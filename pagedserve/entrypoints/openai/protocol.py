@@ -45,9 +45,9 @@ NULL_MEANS_DEFAULT = frozenset({
 BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "ignore_eos",
     "use_beam_search", "length_penalty", "temperature", "stream", "stream_options", "user",
-    "timeout", "priority", "cache_salt", "echo", "request_id", "add_special_tokens", "return_token_ids",
-    "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "chat_template", "documents", "include_reasoning",
+    "timeout", "priority", "cache_salt", "echo", "request_id", "add_special_tokens",
+    "return_token_ids", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "chat_template", "documents", "include_reasoning",
 })
 """The fields a beam search applies; any other set to a value but its default is a 400."""
 

@@ -95,10 +95,11 @@ SERVER_CHECKED = {
                         "return_tokens_as_token_ids", "cache_salt", "request_id"},
 }
 """Declared fields that SamplingParams does not carry: each is exercised through the server
-below or, for the chat template's options and a request's own template, in test_chat.py, for the tool fields and
-include_reasoning, in test_tool_calls.py, for return_token_ids, add_special_tokens,
-return_tokens_as_token_ids, cache_salt and request_id, in test_vllm_response_extras.py (``user``, OpenAI's
-end-user id for its abuse monitoring, is accepted with no effect)."""
+below or, for the chat template's options, a request's own template and documents, in
+test_chat.py, for the tool fields and include_reasoning, in test_tool_calls.py, for
+return_token_ids, add_special_tokens, return_tokens_as_token_ids, cache_salt and request_id,
+in test_vllm_response_extras.py (``user``, OpenAI's end-user id for its abuse monitoring, is
+accepted with no effect)."""
 
 WALKS = [
     (ChatCompletionRequest, "/v1/chat/completions", OPENAI_CHAT | VLLM_CHAT_EXTRAS),
