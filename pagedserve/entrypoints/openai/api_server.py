@@ -133,6 +133,11 @@ def _add_connection_args(group: argparse._ArgumentGroup) -> None:
         f"seconds between two chunks (default: {DEFAULT_BODY_TIMEOUT_S})",
     )
     group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="add X-Request-Id to every response: the client's own, else a new random id",
+    )
+    group.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let chat requests bring their own chat_template (Jinja text the server renders; "
@@ -355,6 +360,7 @@ def _serve(
         max_connections=args.max_connections,
         open_connections=open_connections,
         trust_request_chat_template=args.trust_request_chat_template,
+        request_id_headers=args.enable_request_id_headers,
     )
     app = build_app(engine, metrics, settings)
     uv_config = uvicorn.Config(

@@ -35,6 +35,7 @@ from pagedserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedserve.entrypoints.openai.request_id_header import RequestIdHeader
 from pagedserve.entrypoints.openai.request_limits import RequestLimits
 from pagedserve.entrypoints.openai.responses import (
     ChatCompletionResponse,
@@ -85,6 +86,8 @@ class ServerSettings:
     """How many connections the HTTP server holds open now."""
     trust_request_chat_template: bool = False
     """Whether a chat request may bring its own ``chat_template`` (Jinja it runs)."""
+    request_id_headers: bool = False
+    """``--enable-request-id-headers``: responses carry ``X-Request-Id``."""
 
 
 _BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
@@ -150,6 +153,8 @@ def build_app(engine: AsyncLLM, metrics: ServerMetrics, settings: ServerSettings
     app.add_middleware(
         RequestGuard, body_timeout=settings.body_timeout, allowed_hosts=settings.allowed_hosts
     )
+    if settings.request_id_headers:
+        app.add_middleware(RequestIdHeader)
     app.add_middleware(  # the outermost: the cheapest refusal first
         ConnectionCap, max_connections=settings.max_connections,
         open_connections=settings.open_connections,

@@ -1,7 +1,8 @@
 """Start-up and exposure: a busy port fails at once (before the engine starts), a server open
 to the network without a key says so, Host names are checked, /metrics shows no file path,
 ``--port 0`` names the chosen port, a generation_config.json gives the request defaults, a
-request's own chat template needs --trust-request-chat-template."""
+request's own chat template needs --trust-request-chat-template, --enable-request-id-headers
+adds X-Request-Id."""
 
 from __future__ import annotations
 
@@ -66,15 +67,16 @@ def test_metrics_show_no_model_path(server: ServerProcess, tiny_model_dir: Path)
 @pytest.fixture(scope="module")
 def port_zero_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[str]:
-    """One server for the two tests below (a start costs seconds): ``--port 0`` (the system
+    """One server for the tests below (a start costs seconds): ``--port 0`` (the system
     chooses) over a copy of the tiny model with a generation_config.json (max_new_tokens 3,
-    temperature 0). Yields the URL its banner names, once the model is ready."""
+    temperature 0), with ``--enable-request-id-headers``. Yields the URL its banner names, once
+    the model is ready."""
     folder = tmp_path_factory.mktemp("generation_config") / "model"
     shutil.copytree(tiny_model_dir, folder)
     (folder / "generation_config.json").write_text(
         json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
     proc = ServerProcess(folder, folder.parent / "server.log", "--api-key",
-                         AUTH["Authorization"][7:], port=0)
+                         AUTH["Authorization"][7:], "--enable-request-id-headers", port=0)
     try:
         proc.wait_ready()
         yield proc.url
@@ -113,3 +115,15 @@ def test_a_request_template_needs_the_trust_flag(port_zero_server: str):
     r = httpx.post(f"{port_zero_server}/tokenize", headers=AUTH, timeout=30, json={
         "messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 1 }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
+def test_request_id_headers(port_zero_server: str, server: ServerProcess):
+    """``--enable-request-id-headers``: the client's X-Request-Id comes back, or a new one;
+    without the option no response has the header."""
+    given = httpx.get(f"{port_zero_server}/v1/models", headers={**AUTH, "X-Request-Id": "r-7"},
+                      timeout=10)
+    assert given.headers["x-request-id"] == "r-7"
+    new = httpx.post(f"{port_zero_server}/v1/completions", headers=AUTH, timeout=30,
+                     json={"prompt": "Hi", "max_tokens": 1})
+    assert new.status_code == 200 and len(new.headers["x-request-id"]) == 32
+    assert "x-request-id" not in httpx.get(f"{server.url}/health", timeout=10).headers
