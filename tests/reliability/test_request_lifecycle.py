@@ -121,7 +121,7 @@ def test_drain_lets_a_beam_search_finish_and_cuts_a_long_one(tokenizer, tmp_path
             short = await engine.submit(engine.process_inputs([5], beams))
             long = await engine.submit(
                 engine.process_inputs([9], BeamSearchParams(beam_width=2, max_tokens=LONG)))
-            drain = asyncio.ensure_future(engine.drain(timeout=1.0))
+            drain = asyncio.ensure_future(engine.drain(timeout=3.0))  # the short one: 40 rounds
             (output,) = [o async for o in short]
             assert engine.state is EngineState.DRAINING  # its 40 rounds ran while draining
             # The fake core's best next token is always the last one + 1.
@@ -130,8 +130,8 @@ def test_drain_lets_a_beam_search_finish_and_cuts_a_long_one(tokenizer, tmp_path
             with pytest.raises(ServerShuttingDownError, match="shutdown timeout"):
                 async for _ in long:
                     pass
-            # The long search, and its round's two expansions unless it was between rounds.
-            assert await drain in (1, 3)
+            # The long search, and those of its round's two expansions that were in flight.
+            assert 1 <= await drain <= 3
             await _until_idle(engine)
             assert engine.num_in_flight == 0
         finally:
