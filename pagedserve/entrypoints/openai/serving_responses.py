@@ -257,23 +257,31 @@ async def _events(shell: ResponseShell, chat: StreamingResponse) -> AsyncIterato
     yield writer.event("response.created", response=started)
     yield writer.event("response.in_progress", response=started)
     finish_reason, chat_usage, model = None, None, None
-    async for raw in chat.body_iterator:
-        text = raw if isinstance(raw, str) else bytes(raw).decode()
-        for line in text.splitlines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                error = chunk["error"]
-                yield writer.event("error", code=error.get("code"), message=error["message"],
-                                   param=error.get("param"))
-                return
-            model = chunk.get("model", model)
-            chat_usage = chunk.get("usage") or chat_usage
-            for choice in chunk["choices"]:
-                for event in _choice_events(writer, choice["delta"]):
-                    yield event
-                finish_reason = choice.get("finish_reason") or finish_reason
+    chunks = chat.body_iterator
+    try:
+        async for raw in chunks:
+            text = raw if isinstance(raw, str) else bytes(raw).decode()
+            for line in text.splitlines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    error = chunk["error"]
+                    yield writer.event("error", code=error.get("code"),
+                                       message=error["message"], param=error.get("param"))
+                    return
+                model = chunk.get("model", model)
+                chat_usage = chunk.get("usage") or chat_usage
+                for choice in chunk["choices"]:
+                    for event in _choice_events(writer, choice["delta"]):
+                        yield event
+                    finish_reason = choice.get("finish_reason") or finish_reason
+    finally:
+        # A client that leaves closes this generator: close the chat stream now, so its
+        # request is aborted at once rather than when the generator is collected.
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
     if writer.open is None and not writer.output:
         for event in writer.delta("message", ""):  # an empty reply is one empty message
             yield event

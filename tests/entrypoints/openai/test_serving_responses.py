@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from tests.entrypoints.openai.server_utils import API_KEY, ServerProcess
+from tests.reliability.reliability_utils import wait_idle
 
 USER = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city.",
@@ -129,3 +132,14 @@ def test_text_format_and_tool_choice_translate_to_chat_fields() -> None:
     assert body["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "object"}, "strict": True}}
     assert body["stream_options"] == {"include_usage": True}
+
+
+def test_a_client_leaving_a_stream_aborts_its_request(server: ServerProcess,
+                                                       model_name: str) -> None:
+    body = {"model": model_name, "input": USER, "max_output_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        for line in response.iter_lines():
+            if "response.output_text.delta" in line:
+                break  # the request runs; leave
+    wait_idle(server.url, timeout=10.0)
