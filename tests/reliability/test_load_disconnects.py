@@ -1,6 +1,7 @@
 """Load: 200 concurrent streaming clients, 30% of them going away at random points. Every client
 that stays gets exactly the greedy text its prompt gets alone; afterwards the engine is idle
-with no KV block in use, and the server's memory is back where it was after warm-up."""
+with no KV block in use, and the server's memory has not grown past where it was after
+warm-up."""
 
 from __future__ import annotations
 
@@ -138,5 +139,7 @@ def test_200_streams_with_30_percent_leaving(
         f"{engine_before / 2**20:.0f} -> {engine_after / 2**20:.0f} MiB"
     )
     assert stayed == NUM_CLIENTS - round(NUM_CLIENTS * LEAVING_FRACTION)
-    assert abs(api_after - api_before) <= MAX_RSS_GROWTH * api_before
-    assert abs(engine_after - engine_before) <= MAX_RSS_GROWTH * engine_before
+    # Growth is what a leak would show; RSS may also fall, when memory an earlier test of this
+    # server touched (huge prompts) goes back to the system during the load.
+    assert api_after - api_before <= MAX_RSS_GROWTH * api_before
+    assert engine_after - engine_before <= MAX_RSS_GROWTH * engine_before
