@@ -4,8 +4,8 @@ Exactly one of ``json`` (a JSON schema, as a dict or JSON text), ``regex``, ``ch
 of strings), ``grammar`` (EBNF, xgrammar's dialect), ``json_object=True`` (any JSON object) or
 ``structural_tag`` (free text in which each trigger starts a structure that follows its JSON
 schema: ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``, a dict or JSON
-text) is set. The spec is parsed when the object is built, so a bad schema, regex or grammar raises
-``ValueError`` naming the field before the request reaches the engine.
+text) is set. The spec is parsed when the object is built, so a bad schema, regex or grammar
+raises ``ValueError`` naming the field before the request reaches the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 from pagedserve.structured_output.grammar import KINDS, parse_grammar, source_text
 
 _MAX_CHOICES = 1024
+_OBJECT_KINDS = {"json": "a JSON schema object", "structural_tag": "an object"}
+"""Kinds given as a dict or its JSON text -> what the dict is."""
 
 
 @dataclass
@@ -55,14 +57,15 @@ class StructuredOutputsParams:
         """The field's Python type; JSON text must parse (its schema is checked next)."""
         kind, value = self.kind, getattr(self, self.kind)
         name = f"structured_outputs.{kind}"
-        if kind == "json":
+        if kind in _OBJECT_KINDS:
             if isinstance(value, str):
                 try:
                     value = json_module.loads(value)
                 except ValueError as exc:
                     raise ValueError(f"{name}: not valid JSON ({exc})") from None
             if not isinstance(value, dict):
-                raise ValueError(f"{name}: expected a JSON schema object, got {value!r:.60}")
+                raise ValueError(f"{name}: expected {_OBJECT_KINDS[kind]} (or its JSON text), "
+                                 f"got {value!r:.60}")
         elif kind == "choice":
             if (not isinstance(value, list | tuple) or not value
                     or not all(isinstance(c, str) and c for c in value)):
@@ -70,14 +73,6 @@ class StructuredOutputsParams:
             if len(value) > _MAX_CHOICES:
                 raise ValueError(f"{name}: at most {_MAX_CHOICES} choices, got {len(value)}")
             self.choice = list(value)
-        elif kind == "structural_tag":
-            if isinstance(value, str):
-                try:
-                    json_module.loads(value)
-                except ValueError as exc:
-                    raise ValueError(f"{name}: not valid JSON ({exc})") from None
-            elif not isinstance(value, dict):
-                raise ValueError(f"{name}: expected an object or its JSON text")
         elif kind == "json_object":
             if value is not True:
                 raise ValueError(f"{name}: expected true, got {value!r}")

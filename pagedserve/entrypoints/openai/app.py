@@ -47,7 +47,7 @@ from pagedserve.entrypoints.openai.responses import (
     TokenizeResponse,
 )
 from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
-from pagedserve.entrypoints.openai.serving_chat import REQUEST_TEMPLATE_REFUSED, OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, check_request_template
 from pagedserve.entrypoints.openai.serving_common import check_model, engine_errors
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -269,8 +269,7 @@ async def _tokenize(engine: AsyncLLM, request: TokenizeRequest,
         raise ValueError("prompt: give exactly one of prompt and messages")
     if request.prompt is not None:
         return await engine.encode_async("prompt", request.prompt, request.add_special_tokens)
-    if request.chat_template is not None and not trust_request_chat_template:
-        raise ValueError(REQUEST_TEMPLATE_REFUSED)
+    check_request_template(request.chat_template, trust_request_chat_template)
     messages = [m.chat_dict() for m in request.messages or []]
     rendered = await engine.render_chat_async(messages, request.chat_options())
     return rendered["prompt_token_ids"]

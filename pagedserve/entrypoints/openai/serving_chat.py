@@ -52,8 +52,13 @@ from pagedserve.entrypoints.openai.serving_common import (
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutputKind
 
-REQUEST_TEMPLATE_REFUSED = ("chat_template: this server renders only its own chat template "
-                            "(start it with --trust-request-chat-template)")
+
+def check_request_template(chat_template: str | None, trusted: bool) -> None:
+    """A request's own ``chat_template`` needs ``--trust-request-chat-template`` (chat
+    completions and /tokenize alike)."""
+    if chat_template is not None and not trusted:
+        raise ValueError("chat_template: this server renders only its own chat template "
+                         "(start it with --trust-request-chat-template)")
 
 
 class OpenAIServingChat:
@@ -81,8 +86,7 @@ class OpenAIServingChat:
         # The engine says max_tokens; the client may have sent max_completion_tokens.
         names = {"max_tokens": "max_completion_tokens"} if request.max_completion_tokens else {}
         with engine_errors(names):
-            if request.chat_template is not None and not self.trust_request_chat_template:
-                raise ValueError(REQUEST_TEMPLATE_REFUSED)
+            check_request_template(request.chat_template, self.trust_request_chat_template)
             request.check_tool_choice()
             parser = self.output_parsing.choice_parser(request)
             params = request.to_sampling_params(self.default_sampling)
