@@ -18,15 +18,17 @@ _LAZY = {
     "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
+    "LoRARequest": "pagedserve.lora.request",
 }
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-    "BeamSearchParams", "__version__",
+    "BeamSearchParams", "LoRARequest", "__version__",
 ]
 
 if TYPE_CHECKING:
     from pagedserve.beam_search import BeamSearchParams
     from pagedserve.entrypoints.llm import LLM
+    from pagedserve.lora.request import LoRARequest
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.field_types import require
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -114,7 +115,8 @@ class BeamSearch:
     """Tokens that complete a beam (the model's EOS ids; empty with ``ignore_eos``)."""
     priority: int = 0
     cache_salt: str | None = None
-    """Both passed on to every expansion request."""
+    lora_request: LoRARequest | None = None
+    """These three passed on to every expansion request."""
     live: list[Beam] = field(default_factory=lambda: [Beam([], 0.0)])
     complete: list[Beam] = field(default_factory=list)
     rounds: int = 0

@@ -278,6 +278,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (vLLM's options; docs/lora.md)."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters: a request names one (``LoRARequest``, or the server's model name)."""
+    max_loras: int = 1
+    """Adapters that one step may run at once: their weights sit in this many slots on the
+    device, and every step computes all slots (the cost grows with max_loras x max_lora_rank)."""
+    max_lora_rank: int = 16
+    """The largest adapter rank accepted (a slot's size)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory (least recently used dropped first); None:
+    max_loras."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        require(1 <= self.max_loras <= 64, f"max_loras: must be in 1..64, got {self.max_loras}")
+        require(1 <= self.max_lora_rank <= 512,
+                f"max_lora_rank: must be in 1..512, got {self.max_lora_rank}")
+        require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                f"max_cpu_loras: must be >= max_loras ({self.max_loras}), "
+                f"got {self.max_cpu_loras}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
@@ -388,6 +417,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
 
@@ -431,5 +461,6 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "compilation": CompilationConfig,
+    "lora": LoRAConfig,
 }
 _FIELD_TO_SECTION = {f.name: n for n, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}

@@ -36,7 +36,7 @@ def _documented(*titles: str) -> dict[str, str | None]:
 
 def test_every_engine_option_documented_with_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
     documented = _documented("## Engine\n", "## Model (", "## KV cache (", "## Scheduler (",
-                             "## Parallelism (", "## Compilation ")
+                             "## Parallelism (", "## Compilation ", "## LoRA adapters (")
     config = EngineConfig()
     sections = [getattr(config, f.name) for f in dataclasses.fields(config)]
     fields = {"device"} | {f.name for section in sections if dataclasses.is_dataclass(section)

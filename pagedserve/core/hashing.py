@@ -1,7 +1,7 @@
 """Block hashes for prefix caching: a SHA-256 chain over the full blocks of a token sequence.
 
-A block's hash covers its parent's hash, its own token ids and optional extra keys (a LoRA or
-multimodal id later), so equal hashes mean equal whole prefixes, not just equal blocks.
+A block's hash covers its parent's hash, its own token ids and optional extra keys (a cache salt,
+a LoRA adapter), so equal hashes mean equal whole prefixes, not just equal blocks.
 
 Why SHA-256 and not Python's ``hash`` of a tuple: the tuple hash of ints is stable across
 processes, but it has 64 bits and no collision resistance, so a crafted prompt could collide with
@@ -47,6 +47,17 @@ def hash_block_tokens(
     return int.from_bytes(h.digest(), "big")
 
 
+def first_block_keys(request: Request) -> tuple[int | str, ...]:
+    """The extra keys of a request's first block: its cache salt and its adapter (KV computed
+    with one adapter is not another's, nor the base model's)."""
+    keys: tuple[int | str, ...] = ()
+    if request.cache_salt is not None:
+        keys += ("cache_salt", request.cache_salt)
+    if request.lora_request is not None:
+        keys += ("lora", request.lora_request.lora_int_id)
+    return keys
+
+
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of ``request.all_token_ids``.
 
@@ -56,7 +67,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     hashes = request.block_hashes
     num_full_blocks = request.num_tokens // block_size
     parent = hashes[-1] if hashes else None
-    salt = () if request.cache_salt is None else ("cache_salt", request.cache_salt)
+    salt = first_block_keys(request)
     for i in range(len(hashes), num_full_blocks):
         block_tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
         # The chain carries the first block's salt into every later hash.

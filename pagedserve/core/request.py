@@ -9,6 +9,7 @@ import enum
 import time
 from typing import Protocol
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -71,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -83,6 +85,8 @@ class Request:
         """Lower value = served first under the ``priority`` policy (vLLM's convention)."""
         self.cache_salt = cache_salt
         """Mixed into the first block's hash: prefix-cache hits only between equal salts."""
+        self.lora_request = lora_request
+        """The adapter it runs with; its id is mixed into the first block's hash too."""
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class NewRequestData:
     """Tokens whose KV is already cached (prefix-cache hits), a multiple of block_size."""
     num_output_tokens: int = 0
     """Generated tokens inside ``prefill_token_ids`` (non-zero when resumed after preemption)."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 @dataclass

@@ -89,8 +89,12 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         num_blocks: int,
+        max_loras: int = 0,
     ) -> None:
+        """``max_loras``: distinct LoRA adapters the running requests may use at once (the
+        runner's device slots; 0 where the engine serves none)."""
         _check_limits(scheduler_config, cache_config, max_model_len, num_blocks)
+        self.max_loras = max_loras
         self.scheduler_config = scheduler_config
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -364,6 +368,8 @@ class Scheduler:
         reserved: int | None = None
         while self.waiting and plan.token_budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_request is not None and not self._adapter_fits(request):
+                break  # head-of-line, like a failed allocation, until an adapter's requests end
             computed_blocks, num_cached_tokens = kv.get_computed_blocks(request)
             # With nothing running the head goes in whenever it fits: no reserve, no deadlock.
             if admission is not None and self.running:
@@ -387,6 +393,13 @@ class Scheduler:
             if reserved is not None:
                 assert admission is not None
                 reserved += admission.future_blocks(request, kv)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether ``request``'s adapter is one the running requests use, or a slot is left
+        for it (the runner holds ``max_loras`` adapters on the device)."""
+        assert request.lora_request is not None
+        in_use = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return request.lora_request.lora_int_id in in_use or len(in_use) < self.max_loras
 
     def _admit(self, request: Request, num_cached_tokens: int) -> None:
         self.running.append(request)

@@ -74,6 +74,7 @@ class StepPlan:
                 block_ids=get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 num_output_tokens=r.num_output_tokens,
+                lora_request=r.lora_request,
             )
             for r in self.new_reqs
         ]

@@ -43,6 +43,8 @@ from pagedserve.engine.request_stream import (
     ServerShuttingDownError,
 )
 from pagedserve.engine.stats_logger import StatsLogger
+from pagedserve.lora.check import lora_checker
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
 
@@ -160,6 +162,7 @@ class AsyncLLM:
             self.info.vocab_size,
             self.parse_special_tokens_in_content,
             self.config.model.chat_template,
+            lora_checker(self.config),
         )
         self.state = EngineState.READY
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")
@@ -265,13 +268,14 @@ class AsyncLLM:
 
     def process_inputs(
         self, prompt: PromptType, params: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
+        request_id: str | None = None, lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize a request (nothing is sent yet). Raises ``ValueError`` naming
         the field, ``EngineOverloadedError`` beyond ``max_waiting_requests``, and
         ``EngineNotReadyError`` / ``EngineDeadError`` when requests cannot be served."""
         processor = self._admit_processor()
-        return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params)
+        return processor.process_inputs(request_id or uuid.uuid4().hex, prompt, params,
+                                        lora_request=lora_request)
 
     async def process_inputs_async(
         self,
@@ -279,13 +283,14 @@ class AsyncLLM:
         params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """``process_inputs`` with the tokenizing in a tokenizer thread; ``priority`` (lower
-        first) needs the ``priority`` scheduling policy."""
+        first) needs the ``priority`` scheduling policy; ``lora_request``: the adapter."""
         check_priority(self.config.scheduler.policy, priority)
         processor = self._admit_processor()
         request_id = request_id or uuid.uuid4().hex
-        args = (request_id, prompt, params, None, priority)
+        args = (request_id, prompt, params, None, priority, lora_request)
         if not isinstance(prompt, str) or len(prompt) <= INLINE_TEXT_CHARS:
             return processor.process_inputs(*args)
         return await self._in_tokenizer_thread(processor.process_inputs, *args)
@@ -352,9 +357,10 @@ class AsyncLLM:
         request_id: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         timeout: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until it finishes; closing the generator early aborts it."""
-        processed = self.process_inputs(prompt, params, request_id)
+        processed = self.process_inputs(prompt, params, request_id, lora_request)
         stream = await self.submit(processed, output_kind, timeout)
         try:
             async for output in stream:

@@ -64,7 +64,7 @@ class BeamSearchStream(RequestStream):
         assert processor is not None
         expansion = processor.process_inputs(
             request_id, expansion_prompt(self.search, token_ids), self.processed.sampling_params,
-            priority=self.search.priority,
+            priority=self.search.priority, lora_request=self.search.lora_request,
         )
         stream = await self.engine.submit_expansion(expansion)
         try:

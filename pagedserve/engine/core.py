@@ -153,8 +153,10 @@ class EngineCore:
         self._in_flight: deque[_Step] = deque()
         """Steps launched and not yet completed, oldest first (at most one without async
         scheduling)."""
+        lora = self.config.lora
         self.scheduler = Scheduler(
-            self.config.scheduler, self.config.cache, self.max_model_len, num_blocks
+            self.config.scheduler, self.config.cache, self.max_model_len, num_blocks,
+            lora.max_loras if lora.enable_lora else 0,
         )
         spec = self.config.scheduler.speculative_config
         if spec is not None and spec.method == "draft_model":

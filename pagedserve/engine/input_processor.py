@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -30,7 +30,11 @@ from pagedserve.engine.chat_messages import (
     text_messages,
 )
 from pagedserve.field_types import token_id_list
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.lora.check import LoRAChecker
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -141,8 +145,11 @@ class InputProcessor:
         extra_eos_token_ids: Sequence[int] = (),
         parse_special_tokens_in_content: bool = False,
         chat_template: str | None = None,
+        lora: LoRAChecker | None = None,
     ) -> None:
+        """``lora``: checks requests' adapters; None where the engine serves none."""
         self.tokenizer = tokenizer
+        self.lora = lora
         self.chat_template = chat_template
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -166,6 +173,7 @@ class InputProcessor:
         vocab_size: int,
         parse_special_tokens_in_content: bool = False,
         chat_template: str | None = None,
+        lora: LoRAChecker | None = None,
     ) -> InputProcessor:
         """EOS from the tokenizer, extra EOS ids from the folder's generation config.
         ``tokenizer`` None (``skip_tokenizer_init``): token-id prompts only, no text.
@@ -176,7 +184,7 @@ class InputProcessor:
             eos = gen_eos[0]
         template = None if chat_template is None else load_chat_template(chat_template)
         return cls(tokenizer, max_model_len, vocab_size, eos, gen_eos,
-                   parse_special_tokens_in_content, template)
+                   parse_special_tokens_in_content, template, lora)
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -382,13 +390,16 @@ class InputProcessor:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize one request and fan it out into its ``n`` children.
 
         Raises ``ValueError`` naming the field (prompt, max_tokens, stop_token_ids, ...).
         """
+        self._check_lora(lora_request)
         if isinstance(params, BeamSearchParams):
-            return self._process_beam_search(request_id, prompt, params, arrival_time, priority)
+            return self._process_beam_search(request_id, prompt, params, arrival_time, priority,
+                                             lora_request)
         _require_sampling_params(params)
         text, prompt_token_ids = self._truncate(params, *self.tokenize(prompt))
         cache_salt = _cache_salt(prompt)
@@ -409,6 +420,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
             for i in range(resolved.n)
         ]
@@ -416,16 +428,24 @@ class InputProcessor:
             request_id, text, prompt_token_ids, resolved, requests, arrival_time
         )
 
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (start it "
+                             "with enable_lora=True; --enable-lora on the command line)")
+        self.lora.check(lora_request)
+
     def _process_beam_search(
         self, request_id: str, prompt: PromptType, params: BeamSearchParams,
-        arrival_time: float | None, priority: int,
+        arrival_time: float | None, priority: int, lora_request: LoRARequest | None,
     ) -> ProcessedRequest:
         """Validated as a request for ``params.max_tokens`` tokens is; its EOS ids are those
         that request would stop on."""
         probe = self.process_inputs(
             request_id, prompt,
             SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos),
-            arrival_time, priority,
+            arrival_time, priority, lora_request,
         )
         resolved = probe.sampling_params
         assert resolved.max_tokens is not None  # resolve_params fills it
@@ -433,7 +453,7 @@ class InputProcessor:
         search = BeamSearch(
             probe.prompt_token_ids, params, resolved.max_tokens,
             frozenset(t for t in eos_ids if t is not None), priority,
-            probe.requests[0].cache_salt,
+            probe.requests[0].cache_salt, lora_request,
         )
         return dataclasses.replace(probe, sampling_params=expansion_params(params), requests=[],
                                    beam_search=search)

@@ -44,6 +44,8 @@ from pagedserve.engine.core import EngineCore
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.deferred_interrupt import DeferredInterrupt
+from pagedserve.lora.check import lora_checker
+from pagedserve.lora.request import LoRARequest
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.model.resolve import model_folder
 from pagedserve.model.tokenizer import get_tokenizer
@@ -110,6 +112,7 @@ class LLM:
             self.engine_core.max_model_len,
             self.engine_core.vocab_size,
             chat_template=chat_template,
+            lora=lora_checker(self.config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -131,12 +134,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order.
 
         ``prompts``: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or
         a list of those. ``sampling_params``: one for all prompts or one per prompt.
         ``priority``: one per prompt, lower first; needs ``policy="priority"``.
+        ``lora_request``: the adapter for all prompts, or one per prompt (None: the base
+        model); needs ``enable_lora=True``.
         Every prompt is validated before any runs (``ValueError`` naming the field).
         """
         prompt_list = _as_prompt_list(prompts)
@@ -148,10 +154,11 @@ class LLM:
                              f"got {len(priorities)}")
         for value in priorities:
             check_priority(self.config.scheduler.policy, value)
+        adapters = _as_lora_list(lora_request, len(prompt_list))
         processed = [
             self.input_processor.process_inputs(
-                str(next(self._request_counter)), p, sp, priority=pr)
-            for p, sp, pr in zip(prompt_list, params_list, priorities, strict=True)
+                str(next(self._request_counter)), p, sp, priority=pr, lora_request=lr)
+            for p, sp, pr, lr in zip(prompt_list, params_list, priorities, adapters, strict=True)
         ]
         request_ids = [r.request_id for r in processed]
         # An exception (Ctrl-C included) anywhere below aborts this call's requests, so their
@@ -164,16 +171,21 @@ class LLM:
             self._abort(request_ids)
 
     def beam_search(
-        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the ``params.beam_width`` most likely completions of
         each prompt, best first (pagedserve/beam_search.py says how beams are scored). The
-        rounds of all prompts run as one batch each. ``prompts`` as for ``generate``."""
+        rounds of all prompts run as one batch each. ``prompts`` and ``lora_request`` as for
+        ``generate``."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
         processed = [
-            self.input_processor.process_inputs(str(next(self._request_counter)), p, params)
-            for p in _as_prompt_list(prompts)
+            self.input_processor.process_inputs(str(next(self._request_counter)), p, params,
+                                                lora_request=lr)
+            for p, lr in zip(prompt_list, _as_lora_list(lora_request, len(prompt_list)),
+                             strict=True)
         ]
         searches = [p.beam_search for p in processed if p.beam_search is not None]
         expansion = processed[0].sampling_params
@@ -183,7 +195,10 @@ class LLM:
                      for search, lists in zip(searches, pending, strict=True) for ids in lists]
             if not batch:
                 break
-            outputs = iter(self.generate(batch, expansion, use_tqdm=False))
+            adapters = [search.lora_request
+                        for search, lists in zip(searches, pending, strict=True) for _ in lists]
+            outputs = iter(self.generate(batch, expansion, use_tqdm=False,
+                                         lora_request=adapters))
             for search, lists in zip(searches, pending, strict=True):
                 if lists:
                     search.advance([candidates(next(outputs)) for _ in lists])
@@ -202,6 +217,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         documents: list[dict[str, str]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
         a list of conversations, rendered with the chat template (``chat_template`` or the
@@ -214,7 +230,8 @@ class LLM:
         messages may carry ``tool_calls`` and ``tool`` messages answer them. Reading calls
         from the output is the server's job (``--tool-call-parser``). ``chat_template``: Jinja
         text used for these conversations instead of the engine's template. ``documents``:
-        retrieved texts ({"title", "text"}) for templates that render them."""
+        retrieved texts ({"title", "text"}) for templates that render them. ``lora_request``
+        as for ``generate``."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: expected a conversation (a list of {'role', 'content'} "
                              "dicts) or a list of conversations")
@@ -227,17 +244,18 @@ class LLM:
             self.input_processor.render_chat(list(c) if isinstance(c, tuple) else c, options)
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def stream(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding a DELTA ``RequestOutput`` (the new text and
         tokens) after every step that produced some. Closing the iterator early aborts the
         request; so does Ctrl-C, delivered between steps (``DeferredInterrupt``)."""
         params = sampling_params or self.get_default_sampling_params()
         processed = self.input_processor.process_inputs(
-            str(next(self._request_counter)), prompt, params
+            str(next(self._request_counter)), prompt, params, lora_request=lora_request
         )
         self._add(processed, RequestOutputKind.DELTA)
         try:
@@ -329,6 +347,17 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if not prompt_list:
         raise ValueError("prompts: no prompts given")
     return prompt_list
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)) or len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request: expected a LoRARequest or a list of {num_prompts} "
+                         f"(one per prompt), got {lora_request!r}")
+    return list(lora_request)
 
 
 def _as_params_list(

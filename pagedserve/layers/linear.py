@@ -141,6 +141,9 @@ class LinearBase(nn.Module, abc.ABC):
     """[output_size_per_rank, input_size_per_rank]; its dtype is the linear method's."""
     dense_linear: Callable[..., torch.Tensor]
     """The platform's matmul (``F.linear``'s signature), set by the unquantized method."""
+    lora: nn.Module | None
+    """LoRA slots (``lora/layers.py``) whose delta ``forward(x, out)`` adds to the output;
+    None unless the engine serves adapters."""
 
     def __init__(
         self,
@@ -152,6 +155,7 @@ class LinearBase(nn.Module, abc.ABC):
         linear_method: LinearMethod,
     ) -> None:
         super().__init__()
+        self.lora = None
         self.output_size_per_rank = output_size_per_rank
         self.input_size_per_rank = input_size_per_rank
         self.linear_method = linear_method
@@ -218,7 +222,8 @@ class ColumnParallelLinear(LinearBase):
         return ShardRows(0, self.output_size_per_rank, self.tp_size, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+        out = self.linear_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -357,6 +362,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         out = self.linear_method.apply(self, x, bias)
+        if self.lora is not None:  # a partial sum too: the all-reduce adds the ranks' deltas
+            out = self.lora(x, out)
         if self.tp_size > 1:
             assert self.all_reduce is not None  # __init__ requires one when tp_size > 1
             out = self.all_reduce(out)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.config import CacheConfig, EngineConfig, SpeculativeConfig
+from pagedserve.config import CacheConfig, EngineConfig, LoRAConfig, SpeculativeConfig
 from pagedserve.core.sched_output import (
     CachedRequestData,
     NewRequestData,
@@ -78,7 +78,9 @@ def draft_engine_config(target: EngineConfig, spec: SpeculativeConfig, max_model
     cache = CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks,
                         enable_prefix_caching=False)
     scheduler = dataclasses.replace(target.scheduler, speculative_config=None)
-    return dataclasses.replace(target, model=model, cache=cache, scheduler=scheduler)
+    # The adapters are the target's: the draft runs its own weights only.
+    return dataclasses.replace(target, model=model, cache=cache, scheduler=scheduler,
+                               lora=LoRAConfig())
 
 
 class DraftModelProposer:

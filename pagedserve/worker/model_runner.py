@@ -28,6 +28,7 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.lora.slots import LoRASlots
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for, resolve_dtype, resolve_kv_cache_dtype
@@ -150,6 +151,9 @@ class ModelRunner:
         # hidden states [num_rows, H] -> logits [num_rows, V] (the LM head)
         self.compute_logits = cast(Callable[[torch.Tensor], torch.Tensor],
                                    self.model.compute_logits)
+        self.lora = None if not self.config.lora.enable_lora else LoRASlots(
+            self.model, self.hf_config, self.config.lora, self.max_num_reqs,
+            self.max_num_tokens, self.dtype, self.device)
         self.forward_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         compilation = self.config.compilation
         if compilation.uses_compile(self.platform):
@@ -159,7 +163,8 @@ class ModelRunner:
             if self.graphs.ladders.verify:
                 self.compiled_forward.add_verify_graphs()
             self.forward_fn = self.compiled_forward
-        elif compilation.one_token_step == "gemv":  # eager: decode steps on the device's code
+        elif compilation.one_token_step == "gemv" and self.lora is None:
+            # eager: decode steps on the device's own code, which knows no adapters
             self.forward_fn = self.platform.decode_forward(self.model) or self.model
         # After the KV budget above was decided: the copies it makes are not the cache's.
         self.platform.prepare_weights(self.model, self.max_num_reqs)
@@ -168,8 +173,8 @@ class ModelRunner:
         """The model's own forward for one-token steps of a compiled forward, where configured
         and the model has one: the fused GEMV kernels where Triton's run (CUDA), else the
         platform's decode forward (the CPU's C step)."""
-        if self.config.compilation.one_token_step != "gemv":
-            return None
+        if self.config.compilation.one_token_step != "gemv" or self.lora is not None:
+            return None  # the fused one-token forwards know no adapters
         if not self.platform.has_triton_kernels():
             return self.platform.decode_forward(self.model)
         declared = getattr(self.model, "one_token_forward", None)  # a model capability
@@ -237,12 +242,16 @@ class ModelRunner:
     # ---- step 1: the plan (docs/architecture.md#step-1-apply-the-plan) --------------------
 
     def _remove_request(self, req_id: str) -> None:
-        self.states.remove_request(req_id)
+        slot = self.states.remove_request(req_id)
+        if self.lora is not None and slot is not None:
+            self.lora.remove_request(slot)
 
     def _add_request(self, new: NewRequestData) -> None:
         slot = self.states.add_request(new.req_id, new.prefill_token_ids, new.num_prompt_tokens,
                                        new.num_computed_tokens, new.sampling_params)
         self.block_tables.overwrite_row(slot, single_group(new.block_ids, new.req_id))
+        if self.lora is not None:
+            self.lora.add_request(slot, new.lora_request)
         prompt = new.prefill_token_ids[: new.num_prompt_tokens]
         outputs = new.prefill_token_ids[new.num_prompt_tokens :]
         self.sampler.add_request(slot, new.sampling_params, prompt, outputs, self.eos_token_id)
@@ -304,6 +313,8 @@ class ModelRunner:
                    self.block_tables.num_blocks_np, self.block_size)
         descriptor, mode = self.graphs.dispatch(plan)
         query_start_loc_np = stage_batch(plan, self.buffers)
+        if self.lora is not None:
+            self.lora.prepare_step(plan.idx_mapping_np, plan.query_lens_np, descriptor.num_tokens)
         # The step's one host-to-device copy: slot counts, batch rows, block-table entries.
         self.staging.copy_to_device()
         self.block_tables.apply_staged_writes()

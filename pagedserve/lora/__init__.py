@@ -1,0 +1,1 @@
+"""LoRA adapters served beside the base model (docs/lora.md)."""
