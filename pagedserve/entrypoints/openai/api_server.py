@@ -36,6 +36,11 @@ from pagedserve.entrypoints.openai.http_guards import (
     guarded_h11_protocol,
 )
 from pagedserve.entrypoints.openai.request_limits import RequestLimits
+from pagedserve.entrypoints.openai.serving_models import (
+    check_lora_modules,
+    parse_lora_module,
+    served_lora_requests,
+)
 
 if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
@@ -104,6 +109,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="tokenize control tokens written in chat message content (<|im_end|>, ...) as "
         "control tokens, as the template's own are; by default they are plain text, so a "
         "message cannot forge a turn of another role",
+    )
+    _add_lora_args(group)
+
+
+def _add_lora_args(group: argparse._ArgumentGroup) -> None:
+    """Adapters served under their own names (the engine's --enable-lora, --max-loras, ...
+    come with the engine options)."""
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (needs --enable-lora): a request whose model is NAME runs "
+        "with the PEFT adapter folder PATH; an item may also be JSON, "
+        '\'{"name": NAME, "path": PATH, "base_model_name": BASE}\' (vLLM\'s forms)',
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and "
+        "unload adapters while the server runs (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     )
 
 
@@ -286,6 +313,8 @@ def main(args: argparse.Namespace) -> int:
 
     _model_from_args(args)
     output_parsing = output_parsing_from_args(args)
+    check_lora_modules(args.lora_modules, args.enable_lora,
+                       [args.served_model_name or args.model])
     if args.api_key is None and not is_loopback(args.host):
         print(
             f"pagedserve serve: warning: listening on {args.host} without --api-key: anyone "
@@ -319,11 +348,14 @@ def _serve(
     from pagedserve.engine.core import resolve_engine_config
     from pagedserve.entrypoints.openai.app import ServerSettings, build_app
     from pagedserve.entrypoints.openai.metrics import ServerMetrics
+    from pagedserve.lora.check import lora_checker
     from pagedserve.model.tokenizer import get_tokenizer
 
     # The same resolution the engine process does (model files, max_model_len), checked here
     # so a bad model path fails before the server starts.
     _, resolved = resolve_engine_config(config)
+    checker = lora_checker(config)
+    lora_requests = served_lora_requests(args.lora_modules, checker)
     tokenizer = get_tokenizer(config.model)
     name = config.model.served_model_name or config.model.model
     metrics = ServerMetrics(metrics_model_label(name))
@@ -361,6 +393,9 @@ def _serve(
         open_connections=open_connections,
         trust_request_chat_template=args.trust_request_chat_template,
         request_id_headers=args.enable_request_id_headers,
+        lora_requests=tuple(lora_requests),
+        lora_checker=checker,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     app = build_app(engine, metrics, settings)
     uv_config = uvicorn.Config(
@@ -379,6 +414,9 @@ def _serve(
     signal.signal(signal.SIGTERM, _ignore_signal)
     port = sock.getsockname()[1]  # the one the system chose for --port 0
     host = f"[{args.host}]" if ":" in args.host else args.host
+    for lora in lora_requests:
+        logger.info("LoRA adapter %r (id %d): %s", lora.lora_name, lora.lora_int_id,
+                    lora.lora_path)
     print(
         f"pagedserve: serving {name!r} on http://{host}:{port} "
         "(the model is loading; GET /health answers 200 once it is ready)",

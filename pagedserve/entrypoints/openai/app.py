@@ -17,7 +17,7 @@ from http import HTTPStatus
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import pagedserve
@@ -42,16 +42,22 @@ from pagedserve.entrypoints.openai.responses import (
     CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
     ModelList,
     TokenizeResponse,
 )
 from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, check_request_template
-from pagedserve.entrypoints.openai.serving_common import check_model, engine_errors
+from pagedserve.entrypoints.openai.serving_common import engine_errors
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingModels,
+    UnloadLoRAAdapterRequest,
+)
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.web import add_web_routes
+from pagedserve.lora.check import LoRAChecker
+from pagedserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,12 @@ class ServerSettings:
     """Whether a chat request may bring its own ``chat_template`` (Jinja it runs)."""
     request_id_headers: bool = False
     """``--enable-request-id-headers``: responses carry ``X-Request-Id``."""
+    lora_requests: tuple[LoRARequest, ...] = ()
+    """``--lora-modules``, checked, with their ids (``serving_models.served_lora_requests``)."""
+    lora_checker: LoRAChecker | None = None
+    """Checks the adapters loaded at run time; None: the server runs without --enable-lora."""
+    allow_runtime_lora_updating: bool = False
+    """``--allow-runtime-lora-updating``: the load and unload routes exist."""
 
 
 _BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
@@ -196,23 +208,28 @@ def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
     return router
 
 
+def _engine_lora_checker(engine: AsyncLLM) -> LoRAChecker | None:
+    """The engine's own adapter checker (it re-checks every request's adapter), once the
+    engine is started."""
+    processor = engine.input_processor
+    return None if processor is None else processor.lora
+
+
 def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     router = APIRouter()
-    names = settings.served_model_names
-    completions = OpenAIServingCompletion(engine, names, settings.limits)
-    chat = OpenAIServingChat(engine, names, settings.limits, settings.output_parsing,
+    models = OpenAIServingModels(
+        settings.served_model_names, settings.model_root, settings.lora_requests,
+        settings.lora_checker, lambda: _engine_lora_checker(engine),
+    )
+    completions = OpenAIServingCompletion(engine, models, settings.limits)
+    chat = OpenAIServingChat(engine, models, settings.limits, settings.output_parsing,
                              trust_request_chat_template=settings.trust_request_chat_template)
     responses = OpenAIServingResponses(chat)
 
     @router.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
         max_len = engine.max_model_len if engine.state is EngineState.READY else None
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=settings.model_root, max_model_len=max_len)
-                for name in names
-            ]
-        )
+        return ModelList(data=models.model_cards(max_len))
 
     @router.post(
         "/v1/completions",
@@ -236,7 +253,7 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
 
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        check_model(request.model, names)
+        models.resolve(request.model)  # an adapter's name: the base model's tokenizer
         with engine_errors():
             tokens = await _tokenize(engine, request, settings.trust_request_chat_template)
         strs = engine.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
@@ -246,7 +263,7 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(request.model, names)
+        models.resolve(request.model)
         with engine_errors():
             vocab_size = engine.vocab_size
         bad = [t for t in request.tokens if t >= vocab_size]
@@ -258,6 +275,24 @@ def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
                 code="invalid_value",
             )
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+
+    if settings.allow_runtime_lora_updating:
+        router.include_router(_lora_update_routes(models))
+    return router
+
+
+def _lora_update_routes(models: OpenAIServingModels) -> APIRouter:
+    """vLLM's runtime adapter updates (there: VLLM_ALLOW_RUNTIME_LORA_UPDATING; here:
+    ``--allow-runtime-lora-updating``); behind the API key as every API route."""
+    router = APIRouter()
+
+    @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await models.load_lora_adapter(request))
+
+    @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await models.unload_lora_adapter(request))
 
     return router
 

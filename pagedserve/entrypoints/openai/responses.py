@@ -195,6 +195,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedserve"
     root: str | None = None
+    """The base model's path or name; an adapter's folder."""
+    parent: str | None = None
+    """An adapter's base model (vLLM's field); None for the base model."""
     max_model_len: int | None = None
 
 

@@ -39,7 +39,6 @@ from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     RequestIds,
     cancel_on_disconnect,
-    check_model,
     close_all,
     engine_errors,
     last_output,
@@ -49,6 +48,7 @@ from pagedserve.entrypoints.openai.serving_common import (
     submit_all,
     with_cache_salt,
 )
+from pagedserve.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutputKind
 
@@ -63,11 +63,11 @@ def check_request_template(chat_template: str | None, trusted: bool) -> None:
 
 class OpenAIServingChat:
     def __init__(
-        self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits,
+        self, engine: AsyncLLM, models: OpenAIServingModels, limits: RequestLimits,
         output_parsing: OutputParsing, *, trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
         self.limits = limits
         self.output_parsing = output_parsing
         self.trust_request_chat_template = trust_request_chat_template
@@ -80,7 +80,7 @@ class OpenAIServingChat:
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw: Request
     ) -> Response:
-        model = check_model(request.model, self.served_model_names)
+        model, lora_request = self.models.resolve(request.model)
         ids = RequestIds.of("chatcmpl", raw, request.request_id)
         self.limits.check_chat(request)
         # The engine says max_tokens; the client may have sent max_completion_tokens.
@@ -94,7 +94,7 @@ class OpenAIServingChat:
                 request.chat_dicts(), request.chat_options()
             ))
             processed = await self.engine.process_inputs_async(
-                prompt, params, ids.engine, request.priority
+                prompt, params, ids.engine, request.priority, lora_request
             )
         if not request.stream:
             return await cancel_on_disconnect(

@@ -1,5 +1,6 @@
-"""What the completion and chat handlers share: model-name checks, engine errors as HTTP errors,
-SSE framing, waiting on client disconnects, and merging several request streams."""
+"""What the completion and chat handlers share: engine errors as HTTP errors, SSE framing,
+waiting on client disconnects, and merging several request streams (model names:
+``serving_models``)."""
 
 from __future__ import annotations
 
@@ -43,21 +44,6 @@ CLIENT_CLOSED_REQUEST = 499
 
 _API_FIELDS = {"prompt_token_ids": "prompt"}
 """Engine field names in validation messages -> the request field the client sent."""
-
-
-def check_model(model: str | None, served_model_names: list[str]) -> str:
-    """The name to report in responses; 404 for a model this server does not serve."""
-    if model is None or model == "":
-        return served_model_names[0]
-    if model not in served_model_names:
-        raise OpenAIError(
-            HTTPStatus.NOT_FOUND,
-            f"The model `{model}` does not exist "
-            f"(this server serves {', '.join(served_model_names)}).",
-            param="model",
-            code="model_not_found",
-        )
-    return model
 
 
 def to_openai_error(

@@ -30,7 +30,6 @@ from pagedserve.entrypoints.openai.serving_common import (
     SSE_DONE,
     RequestIds,
     cancel_on_disconnect,
-    check_model,
     close_all,
     engine_errors,
     last_output,
@@ -41,23 +40,24 @@ from pagedserve.entrypoints.openai.serving_common import (
     submit_all,
     with_cache_salt,
 )
+from pagedserve.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedserve.model.generation_config import default_sampling_values
 from pagedserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 
 
 class OpenAIServingCompletion:
     def __init__(
-        self, engine: AsyncLLM, served_model_names: list[str], limits: RequestLimits
+        self, engine: AsyncLLM, models: OpenAIServingModels, limits: RequestLimits
     ) -> None:
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
         self.limits = limits
         # The model's generation_config.json values, for the fields a request leaves unset.
         self.default_sampling = default_sampling_values(engine.config.model.generation_config,
                                                         engine.model_path)
 
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
-        model = check_model(request.model, self.served_model_names)
+        model, lora_request = self.models.resolve(request.model)
         ids = RequestIds.of("cmpl", raw, request.request_id)
         self.limits.check_completion(request)
         with engine_errors():
@@ -65,7 +65,7 @@ class OpenAIServingCompletion:
             processed = [
                 await self.engine.process_inputs_async(
                     with_cache_salt(request, await self._engine_prompt(request, prompt)), params,
-                    f"{ids.engine}-{i}", request.priority,
+                    f"{ids.engine}-{i}", request.priority, lora_request,
                 )
                 for i, prompt in enumerate(request.prompts())
             ]
