@@ -543,7 +543,14 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
+            max_loras=self.max_loras,
+            running_lora_adapters=_adapter_names(self.running) if self.max_loras else (),
+            waiting_lora_adapters=_adapter_names(self.waiting) if self.max_loras else (),
         )
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request}))
 
 
 def _first_rows(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:

@@ -37,6 +37,12 @@ class SchedulerStats:
     """Draft tokens accepted."""
     spec_decode_accepted_per_position: tuple[int, ...] = ()
     """Entry i: drafts accepted at position i of their run (k entries)."""
+    max_loras: int = 0
+    """LoRA: adapters the running requests may use at once (0: the engine serves none)."""
+    running_lora_adapters: tuple[str, ...] = ()
+    """LoRA: the names of the adapters running requests use, sorted."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """LoRA: the names of the adapters waiting requests use, sorted."""
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

@@ -116,6 +116,11 @@ class ServerMetrics:
             "Speculative decoding: drafts accepted at each position of their run.",
             ["model_name", "position"], registry=reg)
         self._last_per_position: list[int] = []
+        self.lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "LoRA adapters of running and waiting requests (vLLM's): the labels name them, the "
+            "value is the time of the step that reported them.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=reg)
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished completions, by finish reason.",
@@ -153,8 +158,16 @@ class ServerMetrics:
             self._last_counts[name] = value
         if stats.spec_decode_accepted_per_position:
             self._count_per_position(stats.spec_decode_accepted_per_position)
+        if stats.max_loras:
+            self._set_lora_info(stats)
         for seconds in queue_times:
             self.queue_time.observe(seconds)
+
+    def _set_lora_info(self, stats: SchedulerStats) -> None:
+        """One series, the current one (earlier label sets would linger as stale series)."""
+        self.lora_info.clear()
+        self.lora_info.labels(str(stats.max_loras), ",".join(stats.running_lora_adapters),
+                              ",".join(stats.waiting_lora_adapters)).set_to_current_time()
 
     def _count_per_position(self, counts: tuple[int, ...]) -> None:
         last = self._last_per_position or [0] * len(counts)

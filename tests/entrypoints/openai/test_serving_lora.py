@@ -166,6 +166,20 @@ def test_beam_search_runs_the_adapter(http: httpx.Client, models: Models) -> Non
     assert [c["token_ids"] for c in body["choices"]] == [tokens for tokens, _ in expected]
 
 
+def test_metrics_name_the_running_adapters(http: httpx.Client) -> None:
+    """vLLM's lora_requests_info: while a "qv" request streams, its labels name it."""
+    body = {**_completion("qv", max_tokens=MAX_MODEL_LEN // 2), "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(3):  # a few chunks in: steps have run with the request
+            next(lines)
+        metrics = http.get("/metrics").text
+    info = [line for line in metrics.splitlines()
+            if line.startswith("pagedserve:lora_requests_info{")]
+    assert len(info) == 1, info
+    assert 'max_lora="2"' in info[0] and 'running_lora_adapters="qv"' in info[0], info[0]
+
+
 def test_unknown_model_keeps_its_404(http: httpx.Client) -> None:
     err = _error(http.post("/v1/completions", json=_completion("nope")), 404)
     assert err["param"] == "model" and err["code"] == "model_not_found"
