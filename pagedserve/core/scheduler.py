@@ -106,8 +106,9 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         """Constrained requests whose grammar is still compiling; they join ``waiting`` when
         it is ready, so they hold up no one."""
-        self._grammar_failures: list[EngineCoreOutput] = []
-        """Outputs of requests aborted because their grammar failed to compile."""
+        self._rejected: list[EngineCoreOutput] = []
+        """Outputs of requests aborted before they ran: their grammar failed to compile, or
+        the engine core refused them (``reject``)."""
         self.num_constrained_requests = 0
         """Unfinished requests with a grammar: 0 lets the core skip every grammar check."""
         self.running: list[Request] = []
@@ -193,7 +194,7 @@ class Scheduler:
 
     def _admit_ready_grammars(self) -> None:
         """Move the requests whose grammar compiled into the waiting queue; abort those whose
-        grammar failed (their outputs come with the next ``take_grammar_failures``)."""
+        grammar failed (their outputs come with the next ``take_rejected``)."""
         still_compiling = []
         for request in self.waiting_for_grammar:
             grammar = request.structured_output
@@ -211,12 +212,19 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ABORTED
             del self.requests[request.request_id]
             self.num_constrained_requests -= 1
-            self._grammar_failures.append(self._make_engine_output(request, []))
+            self._rejected.append(self._make_engine_output(request, []))
         self.waiting_for_grammar = still_compiling
 
-    def take_grammar_failures(self) -> list[EngineCoreOutput]:
-        failures, self._grammar_failures = self._grammar_failures, []
-        return failures
+    def reject(self, request: Request, reason: str) -> None:
+        """End a request that never entered the scheduler (its output, ``abort``, comes with
+        the next ``take_rejected``)."""
+        logger.error("request %s: refused: %s", request.request_id, reason)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._rejected.append(self._make_engine_output(request, []))
+
+    def take_rejected(self) -> list[EngineCoreOutput]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
@@ -520,7 +528,7 @@ class Scheduler:
     # ---- queries -------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._grammar_failures)
+        return bool(self.requests) or bool(self._rejected)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

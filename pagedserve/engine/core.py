@@ -29,6 +29,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.stats import SchedulerStats
 from pagedserve.engine.chat_messages import load_chat_template
 from pagedserve.engine.gc_heap import freeze_startup_heap
+from pagedserve.lora.request import LoRARequest
 from pagedserve.model.loader import get_max_model_len, model_class_of
 from pagedserve.model.resolve import ResolvedModel, resolve_model_config
 from pagedserve.platform import platform_for, resolve_device, resolve_dtype
@@ -204,9 +205,26 @@ class EngineCore:
         self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            error = self._adapter_error(request.lora_request)
+            if error is not None:  # the runner would fail on it, and the step with it
+                self.scheduler.reject(request, error)
+                return
         if request.sampling_params.structured_outputs is not None:
             self._structured_output_manager().register(request)
         self.scheduler.add_request(request)
+
+    def _adapter_error(self, lora_request: LoRARequest) -> str | None:
+        """Why the adapter cannot be read now (its folder gone or changed since the front end
+        checked it), or None: a header read per request, so that a bad folder ends its request
+        here rather than the runner's step."""
+        from pagedserve.lora.adapter import check_adapter
+
+        try:
+            check_adapter(lora_request, self.executor.hf_config, self.config.lora.max_lora_rank)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         if self._structured_output is None:
@@ -267,7 +285,7 @@ class EngineCore:
                     break  # nothing is planned past a step that waits for its predecessor
         elif self.scheduler.has_unfinished_requests():
             self._in_flight.append(self._launch())
-        outputs = self.scheduler.take_grammar_failures()
+        outputs = self.scheduler.take_rejected()
         if not self._in_flight:
             return outputs
         step = self._in_flight.popleft()

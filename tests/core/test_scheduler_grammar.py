@@ -69,7 +69,7 @@ def test_a_failed_grammar_aborts_the_request():
     scheduler.add_request(_constrained("0", grammar))
     plan = scheduler.schedule()
     assert plan.total_num_scheduled_tokens == 0 and scheduler.has_unfinished_requests()
-    (failure,) = scheduler.take_grammar_failures()
+    (failure,) = scheduler.take_rejected()
     assert failure.req_id == "0" and failure.finish_reason == "abort"
     assert scheduler.num_constrained_requests == 0
     assert not scheduler.has_unfinished_requests()

@@ -3,6 +3,8 @@ running the PEFT adapter, batches mixing adapters included."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -119,6 +121,22 @@ def test_bad_adapters_are_refused_by_field(llm, lora_models, tmp_path) -> None:
             plain.generate("x", GREEDY, lora_request=good)
     finally:
         plain.engine_core.shutdown()
+
+
+def test_an_adapter_gone_after_its_check_ends_only_its_request(llm, lora_models,
+                                                              tmp_path) -> None:
+    """The front end checks an id's folder once; a folder removed later is refused by the
+    engine core at the request's arrival (finish reason abort), not in the runner's step:
+    the batch's other requests run on."""
+    folder = tmp_path / "copy"
+    shutil.copytree(lora_models[3]["mlp"][0].lora_path, folder)
+    gone = LoRARequest("gone", 42, str(folder))
+    assert llm.generate("x", GREEDY, use_tqdm=False, lora_request=gone)[0].finished
+    shutil.rmtree(folder)
+    out = llm.generate(["x", "y"], GREEDY, use_tqdm=False, lora_request=[gone, None])
+    assert out[0].outputs[0].finish_reason == "abort" and out[0].outputs[0].token_ids == []
+    assert out[1].outputs[0].token_ids == _expected(lora_models, None, "y")
+    assert llm.engine_core.get_stats().kv_cache_usage == 0.0
 
 
 def test_rank_above_max_lora_rank_is_refused(lora_models, tmp_path) -> None:
