@@ -36,6 +36,7 @@ from pagedserve.platform import platform_for, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from pagedserve.distributed.executor import PendingOutput
+    from pagedserve.lora.check import AdapterFiles
     from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,8 @@ class EngineCore:
             with _timed("load the draft model"), _out_of_memory_as_one_line("load the draft"):
                 self.scheduler.proposer = DraftModelProposer(
                     self.config, spec, self.max_model_len, self.vocab_size, num_blocks)
+        self._adapter_files: AdapterFiles | None = None
+        """Built by the first request with a LoRA adapter."""
         self._structured_output: StructuredOutputManager | None = None
         """Built by the first constrained request (it loads the tokenizer on a thread)."""
         # What start-up built lives as long as the engine: out of the collector's walks, so that
@@ -215,16 +218,15 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def _adapter_error(self, lora_request: LoRARequest) -> str | None:
-        """Why the adapter cannot be read now (its folder gone or changed since the front end
-        checked it), or None: a header read per request, so that a bad folder ends its request
-        here rather than the runner's step."""
-        from pagedserve.lora.adapter import check_adapter
+        """Why the adapter's folder cannot be read now (removed or changed since the front end
+        checked it), or None: such a request ends here rather than failing the runner's
+        step."""
+        if self._adapter_files is None:
+            from pagedserve.lora.check import AdapterFiles
 
-        try:
-            check_adapter(lora_request, self.executor.hf_config, self.config.lora.max_lora_rank)
-        except ValueError as e:
-            return str(e)
-        return None
+            self._adapter_files = AdapterFiles(self.executor.hf_config,
+                                               self.config.lora.max_lora_rank)
+        return self._adapter_files.error(lora_request)
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         if self._structured_output is None:

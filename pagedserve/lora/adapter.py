@@ -37,6 +37,8 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 _CONFIG_FILE = "adapter_config.json"
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 """In order of preference: safetensors reads its header without the data."""
+ADAPTER_FILES = (_CONFIG_FILE, *_WEIGHT_FILES)
+"""Every file of a folder that the reader may read."""
 _TENSOR_NAME = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight"
 )

@@ -3,10 +3,11 @@ adapter is the request's error (a ``ValueError`` naming the field), never the en
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pagedserve.config import EngineConfig, LoRAConfig
-from pagedserve.lora.adapter import check_adapter
+from pagedserve.lora.adapter import ADAPTER_FILES, check_adapter
 from pagedserve.lora.request import LoRARequest
 
 
@@ -37,6 +38,43 @@ class LoRAChecker:
     def forget(self, lora_int_id: int) -> None:
         """An unloaded adapter's id may name another folder later."""
         self.path_of_id.pop(lora_int_id, None)
+
+
+class AdapterFiles:
+    """The engine core's check of each arriving request's adapter: its folder still holds
+    the files a full check passed: a ``stat`` of each file while they are unchanged; a changed
+    file is checked again (``check_adapter``), a missing one is the request's error."""
+
+    def __init__(self, hf_config: Any, max_lora_rank: int) -> None:
+        self.hf_config = hf_config
+        self.max_lora_rank = max_lora_rank
+        self.checked: dict[int, tuple[str, tuple[tuple[str, int, int], ...]]] = {}
+        """lora_int_id -> (folder, its files' stamp) when it last passed."""
+
+    def error(self, lora_request: LoRARequest) -> str | None:
+        """Why the adapter cannot be read now, or None."""
+        stamp = _files_stamp(Path(lora_request.lora_path))
+        if self.checked.get(lora_request.lora_int_id) == (lora_request.lora_path, stamp):
+            return None
+        try:
+            check_adapter(lora_request, self.hf_config, self.max_lora_rank)
+        except ValueError as e:
+            return str(e)
+        self.checked[lora_request.lora_int_id] = (lora_request.lora_path, stamp)
+        return None
+
+
+def _files_stamp(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, mtime, size) of each adapter file in ``folder``; empty where none is (a folder
+    gone: the full check then says what is wrong)."""
+    stamps = []
+    for name in ADAPTER_FILES:
+        try:
+            stat = (folder / name).stat()
+        except OSError:
+            continue
+        stamps.append((name, stat.st_mtime_ns, stat.st_size))
+    return tuple(stamps)
 
 
 def lora_checker(config: EngineConfig) -> LoRAChecker | None:
