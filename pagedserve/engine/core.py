@@ -221,6 +221,8 @@ class EngineCore:
         """Why the adapter's folder cannot be read now (removed or changed since the front end
         checked it), or None: such a request ends here rather than failing the runner's
         step."""
+        if not self.config.lora.enable_lora:  # it would wait forever for an adapter slot
+            return "lora_request: this engine serves no LoRA adapters (enable_lora is off)"
         if self._adapter_files is None:
             from pagedserve.lora.check import AdapterFiles
 

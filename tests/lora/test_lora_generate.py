@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve.core.request import Request
 from tests.engine.tiny_models import hf_greedy, hf_log_softmax, save_checkpoint
 from tests.lora.peft_adapters import ADAPTER_CONFIGS, save_adapter
 
@@ -105,6 +106,7 @@ def test_logprobs_match_transformers(llm, lora_models) -> None:
 def test_bad_adapters_are_refused_by_field(llm, lora_models, tmp_path) -> None:
     folder = lora_models[0]
     good = lora_models[3]["all"][0]
+    llm.generate("x", GREEDY, use_tqdm=False, lora_request=good)  # id 1 names its folder
     with pytest.raises(ValueError, match="lora_request: lora_int_id 1 already names"):
         llm.generate("x", GREEDY, lora_request=LoRARequest("other", 1, str(tmp_path)))
     with pytest.raises(ValueError, match="lora_path"):
@@ -119,6 +121,13 @@ def test_bad_adapters_are_refused_by_field(llm, lora_models, tmp_path) -> None:
     try:
         with pytest.raises(ValueError, match="lora_request: this engine serves no LoRA"):
             plain.generate("x", GREEDY, lora_request=good)
+        # Past the front end (a caller of the core itself): refused, not left waiting for an
+        # adapter slot that does not exist.
+        plain.engine_core.add_request(Request("direct", [5, 6], GREEDY, None, 4,
+                                              lora_request=good))
+        (output,) = plain.engine_core.step()
+        assert output.req_id == "direct" and output.finish_reason == "abort"
+        assert not plain.engine_core.has_unfinished_requests()
     finally:
         plain.engine_core.shutdown()
 
