@@ -3,10 +3,10 @@ engine after another in this process, without LoRA and with ``enable_lora`` at e
 ``--max-loras`` (random PEFT-format adapters of rank ``--rank`` on all seven projections).
 
 For each engine: the decode step at batch 1 and 64 (context ~1024; ``(T(128) - T(1)) / 127``
-as ``pagedserve bench latency`` measures it, the requests without an adapter: the LoRA
-layers compute every slot whatever the requests use), then a throughput run whose requests
-take the adapters in turn (``--prompts`` x ``--input-len`` / ``--output-len``). One JSON line
-per figure goes to ``OUT/lora_bench.json``.
+as ``pagedserve bench latency`` measures it), of requests without an adapter and, with
+LoRA, of requests taking the adapters in turn; then a throughput run whose requests take the
+adapters in turn (``--prompts`` x ``--input-len`` / ``--output-len``). One JSON line
+per engine goes to ``OUT/lora_bench.json``.
 
     python benchmarks/lora_bench.py --out $OUT
 """
@@ -65,13 +65,16 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(100, 30000, (count, length), generator=g).tolist()
 
 
-def decode_step_ms(llm: LLM, batch: int, context: int) -> float:
+def decode_step_ms(llm: LLM, batch: int, context: int, adapters: list[LoRARequest]) -> float:
+    """The step of ``batch`` requests at ``context`` tokens, the requests taking ``adapters``
+    in turn (none: the base model)."""
     batch_prompts = [{"prompt_token_ids": p} for p in prompts(batch, context, batch)]
+    lora = [adapters[i % len(adapters)] if adapters else None for i in range(batch)]
     timings = {}
     for max_tokens in (1, 128, 1, 128):  # the first pair warms up
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate(batch_prompts, params, use_tqdm=False)
+        llm.generate(batch_prompts, params, use_tqdm=False, lora_request=lora)
         timings[max_tokens] = time.perf_counter() - start
     return (timings[128] - timings[1]) / 127 * 1e3
 
@@ -105,6 +108,7 @@ def main() -> None:
     model.mkdir()
     shutil.copy(CONFIGS / args.config, model / "config.json")
     config = json.loads((model / "config.json").read_text())
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for max_loras in [0, *map(int, args.max_loras.split(","))]:
         adapters = [LoRARequest(f"a{i}", i + 1, str(work / f"a{i}")) for i in range(max_loras)]
         for i, adapter in enumerate(adapters):
@@ -117,8 +121,11 @@ def main() -> None:
                   gpu_memory_utilization=0.5, max_num_seqs=256, max_model_len=4096, **lora)
         row = {"max_loras": max_loras, "rank": args.rank if max_loras else 0,
                "start_s": round(time.perf_counter() - start, 1),
-               **{f"b{b}_step_ms": round(decode_step_ms(llm, b, args.context), 3)
-                  for b in map(int, args.batch_sizes.split(","))},
+               **{f"b{b}_step_ms": round(decode_step_ms(llm, b, args.context, []), 3)
+                  for b in batch_sizes},
+               **{f"b{b}_adapter_step_ms": round(decode_step_ms(llm, b, args.context,
+                                                                adapters), 3)
+                  for b in (batch_sizes if adapters else [])},
                "throughput_tok_s": round(throughput(llm, args, adapters), 1),
                "workload": f"{args.prompts} x {args.input_len}/{args.output_len}",
                "model": args.config,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,8 @@ class LoRASlots:
                                        dtype=np.int64)  # [max_num_reqs]
         self.host_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         """lora_int_id -> adapter read from its folder, least recently used first."""
+        self.step_uses_adapters = False
+        """Whether a token of the step being prepared reads an adapter slot."""
 
     # ---- requests --------------------------------------------------------------------
 
@@ -181,9 +184,26 @@ class LoRASlots:
         request's slot; padding rows select none. ``idx_mapping_np`` [num_reqs] (batch row ->
         request slot), ``query_lens_np`` [num_reqs] (tokens per batch row)."""
         per_row = self.slot_of_request[idx_mapping_np]  # [num_reqs]
+        self.step_uses_adapters = bool((per_row != NO_ADAPTER).any())
         token_slots = np.full(num_tokens_padded, NO_ADAPTER, dtype=np.int64)
         num_tokens = int(query_lens_np.sum())
         token_slots[:num_tokens] = np.repeat(per_row, query_lens_np)  # [num_tokens_padded]
         on_device = host_to_device(token_slots, torch.int64, self.device)
         mask = on_device.unsqueeze(1) == self.slot_ids  # [num_tokens_padded, max_loras]
         self.token_mask[:num_tokens_padded].copy_(mask)
+
+
+class AdapterFreeForward:
+    """A forward that knows no adapters (the CPU's decode step in C) for the steps whose
+    tokens use none, the model's own forward for the others: their LoRA deltas are all zero,
+    so skipping the layers' slots changes nothing."""
+
+    def __init__(self, fast: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 model: nn.Module, slots: LoRASlots) -> None:
+        self.fast = fast
+        self.model = model
+        self.slots = slots
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        forward = self.model if self.slots.step_uses_adapters else self.fast
+        return forward(input_ids, positions)

@@ -28,7 +28,7 @@ from pagedserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedserve.lora.slots import LoRASlots
+from pagedserve.lora.slots import AdapterFreeForward, LoRASlots
 from pagedserve.model.loader import get_max_model_len, load_model
 from pagedserve.model.shape import ModelShape
 from pagedserve.platform import platform_for, resolve_dtype, resolve_kv_cache_dtype
@@ -163,11 +163,18 @@ class ModelRunner:
             if self.graphs.ladders.verify:
                 self.compiled_forward.add_verify_graphs()
             self.forward_fn = self.compiled_forward
-        elif compilation.one_token_step == "gemv" and self.lora is None:
-            # eager: decode steps on the device's own code, which knows no adapters
-            self.forward_fn = self.platform.decode_forward(self.model) or self.model
+        elif compilation.one_token_step == "gemv":  # eager: decode steps on the device's code
+            self.forward_fn = self._eager_decode_forward()
         # After the KV budget above was decided: the copies it makes are not the cache's.
         self.platform.prepare_weights(self.model, self.max_num_reqs)
+
+    def _eager_decode_forward(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The platform's decode forward (the CPU's C step), which knows no adapters: with
+        LoRA, only for steps whose tokens use none."""
+        fast = self.platform.decode_forward(self.model)
+        if fast is None:
+            return self.model
+        return fast if self.lora is None else AdapterFreeForward(fast, self.model, self.lora)
 
     def _one_token_forward(self) -> Callable[..., torch.Tensor] | None:
         """The model's own forward for one-token steps of a compiled forward, where configured

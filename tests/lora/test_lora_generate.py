@@ -10,6 +10,7 @@ import torch
 
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.core.request import Request
+from pagedserve.lora.slots import AdapterFreeForward
 from tests.engine.tiny_models import hf_greedy, hf_log_softmax, save_checkpoint
 from tests.lora.peft_adapters import ADAPTER_CONFIGS, save_adapter
 
@@ -77,6 +78,21 @@ def test_more_adapters_than_slots_take_turns(llm, lora_models) -> None:
                            lora_request=[_request(lora_models, n) for n in names])
     for name, out in zip(names, outputs, strict=True):
         assert out.outputs[0].token_ids == _expected(lora_models, name, PROMPTS[1]), name
+
+
+def test_steps_without_adapters_keep_the_c_decode_step(llm, lora_models) -> None:
+    """On the CPU a step whose tokens use no adapter runs the decode step in C (which knows
+    no adapters); a step with an adapter token runs the layers and their slots."""
+    forward = llm.engine_core.model_runner.forward_fn
+    assert isinstance(forward, AdapterFreeForward)
+    before = forward.fast.c_steps
+    out = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == _expected(lora_models, None, PROMPTS[1])
+    after_base = forward.fast.c_steps
+    assert after_base - before == MAX_TOKENS - 1  # every decode step
+    out = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False, lora_request=_request(lora_models, "qv"))
+    assert out[0].outputs[0].token_ids == _expected(lora_models, "qv", PROMPTS[1])
+    assert forward.fast.c_steps == after_base
 
 
 def test_prefix_cache_is_per_adapter(llm, lora_models) -> None:
