@@ -191,6 +191,28 @@ def test_tensor_parallel_adapters_match_transformers(lora_models) -> None:
         engine.engine_core.shutdown()
 
 
+def test_qwen3_adapters_match_transformers(tmp_path) -> None:
+    """Qwen3 normalizes q and k per head after the projection: the adapters' q and k deltas
+    go in before those norms, as in transformers."""
+    folder, base, tokenizer = save_checkpoint("qwen3", tmp_path / "base")
+    merged = {None: base}
+    requests: dict[str | None, LoRARequest | None] = {None: None}
+    for seed, name in enumerate(("all", "qv")):
+        merged[name] = save_adapter(base, tmp_path / name, seed, **ADAPTER_CONFIGS[name])
+        requests[name] = LoRARequest(name, seed + 1, str(tmp_path / name))
+    engine = LLM(str(folder), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        names = [None, "all", "qv"]
+        outputs = engine.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False,
+                                  lora_request=[requests[n] for n in names])
+        for name, out in zip(names, outputs, strict=True):
+            want = hf_greedy(merged[name], tokenizer.encode(PROMPTS[0]), MAX_TOKENS)
+            assert out.outputs[0].token_ids == want, name
+        assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 3
+    finally:
+        engine.engine_core.shutdown()
+
+
 def test_compiled_forward_matches_transformers(lora_models) -> None:
     """torch.compile traces the LoRA layers (the mask is a buffer it reads, not a constant):
     a compiled engine's mixed batches still follow each token's adapter."""
