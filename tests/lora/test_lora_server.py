@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,12 @@ from pagedserve.entrypoints.openai.metrics import ServerMetrics
 from pagedserve.entrypoints.openai.serving_models import LoRAModulePath, served_lora_requests
 from pagedserve.lora.check import LoRAChecker
 from tests.engine.tiny_models import hf_beam_search, hf_greedy, save_checkpoint
-from tests.entrypoints.openai.server_utils import MAX_MODEL_LEN, ServerProcess, running_server
+from tests.entrypoints.openai.server_utils import (
+    MAX_MODEL_LEN,
+    REPO_ROOT,
+    ServerProcess,
+    running_server,
+)
 from tests.lora.peft_adapters import ADAPTER_CONFIGS, save_adapter
 
 BASE = "tiny"
@@ -178,6 +185,22 @@ def test_metrics_name_the_running_adapters(http: httpx.Client) -> None:
             if line.startswith("pagedserve:lora_requests_info{")]
     assert len(info) == 1, info
     assert 'max_lora="2"' in info[0] and 'running_lora_adapters="qv"' in info[0], info[0]
+
+
+def test_bench_serve_spreads_requests_over_the_adapters(lora_server: ServerProcess,
+                                                       tmp_path: Path) -> None:
+    """``pagedserve bench serve --lora-modules`` (vLLM's option): each request names one of
+    the adapters as its model, and every one is served."""
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
+           "--base-url", lora_server.url, "--num-prompts", "12", "--input-len", "6",
+           "--output-len", "3", "--lora-modules", "all", "qv", "--result-dir", str(tmp_path),
+           "--result-filename", "run.json", "--disable-tqdm"]
+    run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["lora_modules"] == ["all", "qv"]
+    assert {r["model"] for r in result["requests"]} == {"all", "qv"}
 
 
 def test_unknown_model_keeps_its_404(http: httpx.Client) -> None:

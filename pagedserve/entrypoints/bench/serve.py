@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,14 @@ def _add_workload_args(work: argparse._ArgumentGroup) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="generate exactly the output length (default: on)",
+    )
+    work.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="served LoRA adapters (vLLM's option): each request names one of them, drawn at "
+        "random (seeded by --seed), as its model",
     )
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--seed", type=int, default=0)
@@ -173,8 +182,11 @@ async def _load(
         headers=headers, timeout=args.request_timeout, limits=limits
     ) as http:
 
+        models = request_models(model, args.lora_modules, len(samples), args.seed)
+        next_model = iter(models).__next__
+
         async def send(sample: SampleRequest):  # noqa: ANN202
-            body = request_body(args.endpoint, model, sample, sampling)
+            body = request_body(args.endpoint, next_model(), sample, sampling)
             return await send_request(http, url, body, sample.prompt_len)
 
         return await run_load(
@@ -185,6 +197,16 @@ async def _load(
             args.seed,
             show_progress=not args.disable_tqdm,
         )
+
+
+def request_models(model: str, lora_modules: list[str] | None, count: int,
+                   seed: int) -> list[str]:
+    """The model each of ``count`` requests names, in sending order: ``model``, or without
+    it one of ``lora_modules`` drawn at random for each."""
+    if not lora_modules:
+        return [model] * count
+    rng = random.Random(seed)
+    return [rng.choice(lora_modules) for _ in range(count)]
 
 
 def _get_json(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
@@ -234,6 +256,7 @@ def _settings(
         "temperature": args.temperature,
         "seed": args.seed,
         "structured": args.structured,
+        "lora_modules": args.lora_modules,
     }
 
 

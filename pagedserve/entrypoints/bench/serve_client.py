@@ -35,6 +35,8 @@ class RequestResult:
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
+    model: str = ""
+    """The served model (or LoRA adapter) the request named."""
 
 
 def request_body(
@@ -94,7 +96,8 @@ async def send_request(
     http: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int
 ) -> RequestResult:
     """POST one streaming request to ``url`` and time it; failures are recorded, not raised."""
-    result = RequestResult(prompt_len=prompt_len, start=time.perf_counter())
+    result = RequestResult(prompt_len=prompt_len, start=time.perf_counter(),
+                           model=str(body.get("model", "")))
     timing = _Timing(result)
     try:
         async with http.stream("POST", url, json=body) as response:
