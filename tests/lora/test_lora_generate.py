@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from pagedserve.core.request import Request
 from pagedserve.lora.slots import AdapterFreeForward
-from tests.engine.tiny_models import hf_greedy, hf_log_softmax, save_checkpoint
+from tests.engine.tiny_models import hf_beam_search, hf_greedy, hf_log_softmax, save_checkpoint
 from tests.lora.peft_adapters import ADAPTER_CONFIGS, save_adapter
 
 MAX_TOKENS = 10
@@ -117,6 +117,21 @@ def test_logprobs_match_transformers(llm, lora_models) -> None:
         got = out.logprobs[i][token].logprob
         want = expected[len(prompt_ids) - 1 + i, token].item()
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_beam_search_with_adapters(llm, lora_models) -> None:
+    """``LLM.beam_search``'s rounds run each prompt's expansions with its adapter."""
+    _, _, tokenizer, adapters = lora_models
+    names = ["qv", None]
+    outputs = llm.beam_search([PROMPTS[2], PROMPTS[2]], BeamSearchParams(beam_width=2,
+                              max_tokens=3, ignore_eos=True),
+                              lora_request=[_request(lora_models, n) for n in names])
+    prompt_ids = tokenizer.encode(PROMPTS[2])
+    got = [[s.tokens[len(prompt_ids):] for s in out.sequences] for out in outputs]
+    expected = [[t for t, _ in hf_beam_search(
+        lora_models[1] if name is None else adapters[name][1], prompt_ids, 2, 3)]
+        for name in names]
+    assert got == expected and expected[0] != expected[1]
 
 
 def test_bad_adapters_are_refused_by_field(llm, lora_models, tmp_path) -> None:
