@@ -43,7 +43,7 @@ from pagedserve.engine.request_stream import (
     ServerShuttingDownError,
 )
 from pagedserve.engine.stats_logger import StatsLogger
-from pagedserve.lora.check import lora_checker
+from pagedserve.lora.check import LoRAChecker, lora_checker
 from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import RequestOutput, RequestOutputKind
 from pagedserve.sampling_params import SamplingParams
@@ -113,8 +113,12 @@ class AsyncLLM:
         observer: StatsObserver | None = None,
         parse_special_tokens_in_content: bool = False,
         engine_timeout: float | None = None,
+        lora: LoRAChecker | None = None,
     ) -> None:
+        """``lora``: the checker of requests' adapters, where the caller has one (the server
+        checks its --lora-modules with it before the engine starts); else one of its own."""
         self.config = config
+        self.lora = lora if lora is not None else lora_checker(config)
         self.engine_timeout = engine_timeout
         """Seconds the engine may go without a step while requests are in flight before it
         is declared hung (killed, requests failed); None: never."""
@@ -162,7 +166,7 @@ class AsyncLLM:
             self.info.vocab_size,
             self.parse_special_tokens_in_content,
             self.config.model.chat_template,
-            lora_checker(self.config),
+            self.lora,
         )
         self.state = EngineState.READY
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedserve-output-loop")

@@ -367,6 +367,7 @@ def _serve(
         observer=metrics,
         parse_special_tokens_in_content=args.parse_special_tokens_in_content,
         engine_timeout=args.engine_timeout,
+        lora=checker,
     )
 
     server: _Server | None = None

@@ -97,7 +97,8 @@ class ServerSettings:
     lora_requests: tuple[LoRARequest, ...] = ()
     """``--lora-modules``, checked, with their ids (``serving_models.served_lora_requests``)."""
     lora_checker: LoRAChecker | None = None
-    """Checks the adapters loaded at run time; None: the server runs without --enable-lora."""
+    """Checks the adapters loaded at run time (the engine's checker of requests' adapters, so
+    both know the same ids); None: the server runs without --enable-lora."""
     allow_runtime_lora_updating: bool = False
     """``--allow-runtime-lora-updating``: the load and unload routes exist."""
 
@@ -208,18 +209,11 @@ def _open_routes(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
     return router
 
 
-def _engine_lora_checker(engine: AsyncLLM) -> LoRAChecker | None:
-    """The engine's own adapter checker (it re-checks every request's adapter), once the
-    engine is started."""
-    processor = engine.input_processor
-    return None if processor is None else processor.lora
-
-
 def _api_routes(engine: AsyncLLM, settings: ServerSettings) -> APIRouter:
     router = APIRouter()
     models = OpenAIServingModels(
         settings.served_model_names, settings.model_root, settings.lora_requests,
-        settings.lora_checker, lambda: _engine_lora_checker(engine),
+        settings.lora_checker,
     )
     completions = OpenAIServingCompletion(engine, models, settings.limits)
     chat = OpenAIServingChat(engine, models, settings.limits, settings.output_parsing,

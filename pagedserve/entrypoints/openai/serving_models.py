@@ -19,7 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -151,16 +151,13 @@ class OpenAIServingModels:
         model_root: str,
         lora_requests: Sequence[LoRARequest] = (),
         lora_checker: LoRAChecker | None = None,
-        engine_lora_checker: Callable[[], LoRAChecker | None] = lambda: None,
     ) -> None:
-        """``lora_checker``: checks adapters loaded at run time (None: the server runs
-        without --enable-lora). ``engine_lora_checker``: the engine's own checker once it is
-        started, told to forget an unloaded adapter's id as this one is."""
+        """``lora_checker``: checks adapters loaded at run time and forgets unloaded ones;
+        the engine's own (None: the server runs without --enable-lora)."""
         self.served_model_names = served_model_names
         self.model_root = model_root
         self.lora_requests: dict[str, LoRARequest] = {r.lora_name: r for r in lora_requests}
         self.lora_checker = lora_checker
-        self.engine_lora_checker = engine_lora_checker
         self._next_lora_id = max((r.lora_int_id for r in lora_requests), default=0) + 1
         self._lock = asyncio.Lock()
         """Loads and unloads one at a time: a name is checked free and then taken."""
@@ -244,8 +241,7 @@ class OpenAIServingModels:
                                   f"{lora.lora_int_id}, not {request.lora_int_id}",
                                   param="lora_int_id")
             del self.lora_requests[name]
-            for checker in (self.lora_checker, self.engine_lora_checker()):
-                if checker is not None:
-                    checker.forget(lora.lora_int_id)
+            if self.lora_checker is not None:
+                self.lora_checker.forget(lora.lora_int_id)
         logger.info("LoRA adapter %s (id %d) unloaded", name, lora.lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."
