@@ -3,7 +3,9 @@ running the PEFT adapter, batches mixing adapters included."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -34,13 +36,21 @@ def lora_models(tmp_path_factory):
     return folder, base, tokenizer, adapters
 
 
+@contextlib.contextmanager
+def _engine(lora_models, **engine_args) -> Iterator[LLM]:
+    """An engine of the tiny Llama with two adapter slots of rank 8, shut down after."""
+    engine = LLM(str(lora_models[0]), dtype="float32", enable_lora=True, max_loras=2,
+                 max_lora_rank=8, **engine_args)
+    try:
+        yield engine
+    finally:
+        engine.engine_core.shutdown()
+
+
 @pytest.fixture(scope="module")
 def llm(lora_models):
-    folder = lora_models[0]
-    engine = LLM(str(folder), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
-                 enable_prefix_caching=True)
-    yield engine
-    engine.engine_core.shutdown()
+    with _engine(lora_models, enable_prefix_caching=True) as engine:
+        yield engine
 
 
 def _expected(lora_models, name: str | None, prompt: str) -> list[int]:
@@ -53,6 +63,16 @@ def _request(lora_models, name: str | None) -> LoRARequest | None:
     return None if name is None else lora_models[3][name][0]
 
 
+def _assert_greedy(engine: LLM, lora_models, prompts: list[str], names: list[str | None]
+                   ) -> None:
+    """One batch, request i with ``prompts[i]`` and adapter ``names[i]``: each one's greedy
+    tokens equal transformers' with that adapter merged."""
+    outputs = engine.generate(prompts, GREEDY, use_tqdm=False,
+                              lora_request=[_request(lora_models, n) for n in names])
+    for prompt, name, out in zip(prompts, names, outputs, strict=True):
+        assert out.outputs[0].token_ids == _expected(lora_models, name, prompt), (prompt, name)
+
+
 def test_adapters_change_the_output(lora_models) -> None:
     """Guards the comparisons below: each adapter's tokens differ from the base model's."""
     for name in ADAPTERS:
@@ -63,21 +83,15 @@ def test_adapters_change_the_output(lora_models) -> None:
 def test_mixed_batch_matches_transformers(llm, lora_models) -> None:
     """Base and two adapters in one batch (max_loras 2), every prompt with each."""
     cases = [(p, name) for p in PROMPTS for name in (None, "all", "qv")]
-    outputs = llm.generate([p for p, _ in cases], GREEDY, use_tqdm=False,
-                           lora_request=[_request(lora_models, n) for _, n in cases])
-    for (prompt, name), out in zip(cases, outputs, strict=True):
-        assert out.outputs[0].token_ids == _expected(lora_models, name, prompt), (prompt, name)
+    _assert_greedy(llm, lora_models, [p for p, _ in cases], [n for _, n in cases])
     assert llm.engine_core.get_stats().kv_cache_usage == 0.0
 
 
 def test_more_adapters_than_slots_take_turns(llm, lora_models) -> None:
     """Three adapters, two slots: the scheduler holds the third back until a slot frees, and
     the slot it takes is overwritten with the right weights."""
-    names = ["all", "qv", "mlp", "mlp", "all"]
-    outputs = llm.generate([PROMPTS[1]] * len(names), GREEDY, use_tqdm=False,
-                           lora_request=[_request(lora_models, n) for n in names])
-    for name, out in zip(names, outputs, strict=True):
-        assert out.outputs[0].token_ids == _expected(lora_models, name, PROMPTS[1]), name
+    names: list[str | None] = ["all", "qv", "mlp", "mlp", "all"]
+    _assert_greedy(llm, lora_models, [PROMPTS[1]] * len(names), names)
 
 
 def test_steps_without_adapters_keep_the_c_decode_step(llm, lora_models) -> None:
@@ -193,17 +207,8 @@ def test_rank_above_max_lora_rank_is_refused(lora_models, tmp_path) -> None:
 
 def test_tensor_parallel_adapters_match_transformers(lora_models) -> None:
     """TP=2 (mp workers): each rank keeps its slice of every adapter's A or B."""
-    folder = lora_models[0]
-    engine = LLM(str(folder), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
-                 tensor_parallel_size=2)
-    try:
-        names = [None, "all", "qv"]
-        outputs = engine.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False,
-                                  lora_request=[_request(lora_models, n) for n in names])
-        for name, out in zip(names, outputs, strict=True):
-            assert out.outputs[0].token_ids == _expected(lora_models, name, PROMPTS[0]), name
-    finally:
-        engine.engine_core.shutdown()
+    with _engine(lora_models, tensor_parallel_size=2) as engine:
+        _assert_greedy(engine, lora_models, [PROMPTS[0]] * 3, [None, "all", "qv"])
 
 
 def test_qwen3_adapters_match_transformers(tmp_path) -> None:
@@ -231,28 +236,13 @@ def test_qwen3_adapters_match_transformers(tmp_path) -> None:
 def test_compiled_forward_matches_transformers(lora_models) -> None:
     """torch.compile traces the LoRA layers (the mask is a buffer it reads, not a constant):
     a compiled engine's mixed batches still follow each token's adapter."""
-    engine = LLM(str(lora_models[0]), dtype="float32", enable_lora=True, max_loras=2,
-                 max_lora_rank=8, mode="compile", piece_compiler="eager")
-    try:
+    with _engine(lora_models, mode="compile", piece_compiler="eager") as engine:
         for names in ([None, "all", "qv"], ["qv", None, "all"]):
-            outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False,
-                                      lora_request=[_request(lora_models, n) for n in names])
-            for prompt, name, out in zip(PROMPTS, names, outputs, strict=True):
-                assert out.outputs[0].token_ids == _expected(lora_models, name, prompt), name
-    finally:
-        engine.engine_core.shutdown()
+            _assert_greedy(engine, lora_models, PROMPTS, names)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_match_transformers(lora_models) -> None:
     """On CUDA: compiled pieces, PIECEWISE and FULL graphs replaying the mask buffer."""
-    engine = LLM(str(lora_models[0]), dtype="float32", enable_lora=True, max_loras=2,
-                 max_lora_rank=8, device="cuda")
-    try:
-        names = [None, "all", "qv", "mlp"]
-        outputs = engine.generate([PROMPTS[0]] * 4, GREEDY, use_tqdm=False,
-                                  lora_request=[_request(lora_models, n) for n in names])
-        for name, out in zip(names, outputs, strict=True):
-            assert out.outputs[0].token_ids == _expected(lora_models, name, PROMPTS[0]), name
-    finally:
-        engine.engine_core.shutdown()
+    with _engine(lora_models, device="cuda") as engine:
+        _assert_greedy(engine, lora_models, [PROMPTS[0]] * 4, [None, "all", "qv", "mlp"])
