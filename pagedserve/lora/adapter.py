@@ -68,7 +68,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all tensors (logging, and the host cache's accounting)."""
+        """Bytes of all tensors (logged when the adapter is read)."""
         return sum(t.numel() * t.element_size()
                    for w in self.modules.values() for t in (w.lora_a, w.lora_b))
 

@@ -153,27 +153,13 @@ class LoRASlots:
         return adapter
 
     def _load_into(self, slot: int, adapter: LoRAAdapter) -> None:
+        by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (index, module), w in adapter.modules.items():
+            by_layer.setdefault(index, {})[module] = (w.lora_a, w.lora_b)
         for layer_index, layer_slots in self.layers.items():
-            weights = {module: (w.lora_a, w.lora_b)
-                       for (index, module), w in adapter.modules.items() if index == layer_index}
-            for lora in layer_slots:
-                lora.set_slot(slot, weights)
+            for lora in layer_slots:  # a layer the adapter leaves alone: its slot cleared
+                lora.set_slot(slot, by_layer.get(layer_index, {}))
         self.adapter_in_slot[slot] = adapter.lora_request.lora_int_id
-
-    def remove_adapter(self, lora_int_id: int) -> bool:
-        """Forget an adapter (host copy and any idle device slot); False if a running request
-        still reads it."""
-        self.host_cache.pop(lora_int_id, None)
-        if lora_int_id not in self.adapter_in_slot:
-            return True
-        slot = self.adapter_in_slot.index(lora_int_id)
-        if self.users[slot]:
-            return False
-        for layer_slots in self.layers.values():
-            for lora in layer_slots:
-                lora.clear_slot(slot)
-        self.adapter_in_slot[slot] = None
-        return True
 
     # ---- steps -----------------------------------------------------------------------
 
